@@ -1,0 +1,219 @@
+"""Database connections for the shard ledger: an embedded SQLite file or a PostgreSQL server."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+
+class LedgerUnavailableError(RuntimeError):
+    """The ledger database could not be reached or used."""
+
+
+def redact_url(url: str) -> str:
+    """Returns ``url`` with any password replaced by ``***`` so it can be printed or logged."""
+    # user:password@host in the authority part
+    url = re.sub(r"(://[^:/@?#]*:)[^@/?#]*@", r"\1***@", url)
+    # password=... as a query or keyword parameter
+    return re.sub(r"(password=)[^&\s]*", r"\1***", url, flags=re.IGNORECASE)
+
+
+def is_postgres_url(location: str) -> bool:
+    """Whether ``location`` names a PostgreSQL server rather than a SQLite file."""
+    return location.startswith(("postgresql://", "postgres://"))
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """The few SQL differences between the two backends."""
+
+    name: str
+    """``"sqlite"`` or ``"postgres"``."""
+    placeholder: str
+    """The parameter marker the driver expects."""
+
+
+SQLITE = Dialect(name="sqlite", placeholder="?")
+POSTGRES = Dialect(name="postgres", placeholder="%s")
+
+# Arbitrary constant key for the PostgreSQL advisory lock that serialises ledger transactions.
+_PG_ADVISORY_KEY = 727_001
+
+
+class Database:
+    """One connection to the ledger database, with a transaction helper shared by both backends.
+
+    Every ledger transaction is serialised (``BEGIN IMMEDIATE`` on SQLite, an advisory transaction
+    lock on PostgreSQL): ledger transactions are tiny and rare (one per shard), so simple mutual
+    exclusion costs nothing measurable and keeps the leasing logic identical on both backends.
+    """
+
+    def __init__(self, location: str, connect_timeout_s: float = 10.0) -> None:
+        self.location = location
+        self.display_location = redact_url(location)
+        if is_postgres_url(location):
+            self.dialect = POSTGRES
+            self._conn = _connect_postgres(location, connect_timeout_s, self.display_location)
+        else:
+            self.dialect = SQLITE
+            self._conn = _connect_sqlite(location, connect_timeout_s)
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except Exception:  # closing a broken connection must never mask the original problem
+            pass
+
+    def _sql(self, statement: str) -> str:
+        if self.dialect is POSTGRES:
+            return statement.replace("?", "%s")
+        return statement
+
+    def transaction(self) -> "_Transaction":
+        """A serialised read-write transaction: ``with db.transaction() as tx: tx.execute(...)``."""
+        return _Transaction(self)
+
+    def query(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """Runs one read-only statement in its own short transaction and returns all rows."""
+        try:
+            cur = self._conn.cursor()
+            cur.execute(self._sql(statement), tuple(params))
+            rows = cur.fetchall()
+            self._conn.commit()
+            return rows
+        except Exception as exc:
+            self._rollback()
+            raise self._wrap(exc) from exc
+
+    def _rollback(self) -> None:
+        try:
+            self._conn.rollback()
+        except Exception:
+            pass
+
+    def _wrap(self, exc: Exception) -> Exception:
+        if isinstance(exc, LedgerUnavailableError):
+            return exc
+        if _is_connection_error(exc):
+            return LedgerUnavailableError(
+                f"The prediction ledger at {self.display_location} is unreachable ({type(exc).__name__}: "
+                f"{redact_url(str(exc)).strip()}). Check that the database is running and reachable from this "
+                "machine; no shard was marked done by the failed operation, so rerunning the job resumes safely."
+            )
+        return exc
+
+
+class _Transaction:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._cur: Any = None
+
+    def __enter__(self) -> "_Transaction":
+        db = self._db
+        try:
+            self._cur = db._conn.cursor()
+            if db.dialect is SQLITE:
+                self._cur.execute("BEGIN IMMEDIATE")
+            else:
+                self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_ADVISORY_KEY,))
+        except Exception as exc:
+            db._rollback()
+            raise db._wrap(exc) from exc
+        return self
+
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> int:
+        """Runs a statement; returns the number of rows it changed."""
+        self._cur.execute(self._db._sql(statement), tuple(params))
+        return self._cur.rowcount
+
+    def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._cur.executemany(self._db._sql(statement), [tuple(r) for r in rows])
+
+    def fetchall(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
+        self._cur.execute(self._db._sql(statement), tuple(params))
+        return self._cur.fetchall()
+
+    def fetchone(self, statement: str, params: Sequence[Any] = ()) -> Optional[tuple]:
+        self._cur.execute(self._db._sql(statement), tuple(params))
+        return self._cur.fetchone()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        db = self._db
+        if exc_type is None:
+            try:
+                db._conn.commit()
+                return
+            except Exception as commit_exc:
+                db._rollback()
+                raise db._wrap(commit_exc) from commit_exc
+        db._rollback()
+        if exc is not None and _is_connection_error(exc):
+            raise db._wrap(exc) from exc
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.OperationalError):
+        text = str(exc).lower()
+        return "unable to open" in text or "disk i/o" in text or "locked" in text or "readonly" in text
+    module = type(exc).__module__
+    if module.startswith("psycopg"):
+        import psycopg
+
+        return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+    return False
+
+
+def _connect_sqlite(path: str, timeout_s: float) -> sqlite3.Connection:
+    file = Path(path)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: transactions are opened explicitly with BEGIN IMMEDIATE
+        conn = sqlite3.connect(str(file), timeout=max(timeout_s, 30.0), isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+    except (sqlite3.Error, OSError) as exc:
+        raise LedgerUnavailableError(
+            f"Cannot open the SQLite prediction ledger {file} ({exc}). The file must be on a local, writable "
+            "disk next to the output; pass ledger='postgresql://...' when workers run on several machines."
+        ) from exc
+    return _SqliteAutocommitShim(conn)
+
+
+class _SqliteAutocommitShim:
+    """Gives the autocommit-mode sqlite3 connection the commit/rollback interface of a DB-API driver."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def cursor(self) -> sqlite3.Cursor:
+        return self._conn.cursor()
+
+    def commit(self) -> None:
+        if self._conn.in_transaction:
+            self._conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _connect_postgres(url: str, timeout_s: float, display: str) -> Any:
+    try:
+        import psycopg
+    except ImportError as exc:
+        raise LedgerUnavailableError(
+            "A PostgreSQL ledger needs the psycopg driver: pip install 'lightning-paro[postgres]'."
+        ) from exc
+    try:
+        return psycopg.connect(url, connect_timeout=max(1, int(timeout_s)))
+    except psycopg.Error as exc:
+        raise LedgerUnavailableError(
+            f"Cannot connect to the PostgreSQL prediction ledger at {display}: {redact_url(str(exc)).strip()}. "
+            "Check the URL, that the server is running and that this machine may connect to it."
+        ) from exc

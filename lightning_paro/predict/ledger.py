@@ -1,0 +1,397 @@
+"""The shard ledger: the job's single source of truth about which rows are done, leased or failed.
+
+Shards are half-open row ranges ``[start_row, end_row)`` of the dataset's index space. A shard is
+``todo``, ``leased`` (to an owner until an expiry that heartbeats push forward), ``committed`` (its
+output file is on disk), ``poisoned`` (its single row crashed its worker too many times) or
+``split`` (replaced by two halves after repeated failures, so a row that kills workers is isolated
+by bisection instead of sinking its whole shard).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional, Union
+
+from lightning_paro.predict.db import Database
+
+TODO, LEASED, COMMITTED, POISONED, SPLIT = "todo", "leased", "committed", "poisoned", "split"
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS paro_predict_jobs (
+        job TEXT PRIMARY KEY,
+        num_rows BIGINT NOT NULL,
+        shard_size BIGINT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS paro_predict_shards (
+        job TEXT NOT NULL,
+        shard_id BIGINT NOT NULL,
+        start_row BIGINT NOT NULL,
+        end_row BIGINT NOT NULL,
+        state TEXT NOT NULL,
+        owner TEXT,
+        lease_expires DOUBLE PRECISION,
+        leased_at DOUBLE PRECISION,
+        spec_owner TEXT,
+        spec_expires DOUBLE PRECISION,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        parent BIGINT,
+        rows_written BIGINT,
+        rows_failed BIGINT,
+        file TEXT,
+        error TEXT,
+        committed_at DOUBLE PRECISION,
+        committed_by TEXT,
+        PRIMARY KEY (job, shard_id)
+    )""",
+    """CREATE TABLE IF NOT EXISTS paro_predict_workers (
+        job TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        host TEXT,
+        pid BIGINT,
+        started_at DOUBLE PRECISION,
+        last_seen DOUBLE PRECISION,
+        PRIMARY KEY (job, owner)
+    )""",
+)
+
+
+class JobMismatchError(RuntimeError):
+    """The ledger already holds a job under this name with a different shape."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A shard handed to one worker."""
+
+    shard_id: int
+    """The shard's id in the ledger."""
+    start_row: int
+    """First row index of the shard (inclusive)."""
+    end_row: int
+    """Row index one past the shard's last row."""
+    attempt: int
+    """How many times this shard has been leased, this lease included."""
+    speculative: bool
+    """True when this is a tail duplicate of a shard another worker still holds."""
+
+
+class LeaseWait(Enum):
+    """Why ``Ledger.lease`` returned no shard."""
+
+    WAIT = "wait"
+    """Nothing free now, but other workers hold leases that may still expire or fail."""
+    DONE = "done"
+    """Every shard is committed or poisoned."""
+
+
+class CommitResult(Enum):
+    """What happened to a commit."""
+
+    COMMITTED = "committed"
+    """This call committed the shard."""
+    ALREADY_COMMITTED = "already_committed"
+    """Another attempt (a redo or a speculative duplicate) committed it first."""
+    SUPERSEDED = "superseded"
+    """The shard was split or poisoned meanwhile: this output must not become visible."""
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One row of the shard table, as read back for progress, manifests and tests."""
+
+    shard_id: int
+    """The shard's id."""
+    start_row: int
+    """First row (inclusive)."""
+    end_row: int
+    """One past the last row."""
+    state: str
+    """todo, leased, committed, poisoned or split."""
+    owner: Optional[str]
+    """The worker holding (or last holding) the primary lease."""
+    lease_expires: Optional[float]
+    """When the primary lease runs out (Unix seconds)."""
+    attempts: int
+    """Number of primary leases handed out."""
+    rows_written: Optional[int]
+    """Rows in the committed file."""
+    rows_failed: Optional[int]
+    """Rows isolated as poison (errors file) for committed shards, or all rows of a poisoned shard."""
+    file: Optional[str]
+    """The committed output file, relative to the output directory."""
+    error: Optional[str]
+    """Why a shard was poisoned."""
+    committed_at: Optional[float]
+    """When it was committed (Unix seconds)."""
+    committed_by: Optional[str]
+    """The worker whose commit won."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.end_row - self.start_row
+
+
+_SHARD_COLUMNS = (
+    "shard_id, start_row, end_row, state, owner, lease_expires, attempts, rows_written, rows_failed, "
+    "file, error, committed_at, committed_by"
+)
+
+
+class Ledger:
+    """Leases, renews, commits and reports the shards of one prediction job.
+
+    Args:
+        location: a SQLite file path or a ``postgresql://`` URL.
+        job: the job's name; several jobs can share one PostgreSQL database.
+        clock: the time source (Unix seconds); tests inject a fake one.
+    """
+
+    def __init__(self, location: str, job: str, clock=time.time) -> None:
+        self.db = Database(location)
+        self.job = job
+        self.clock = clock
+        with self.db.transaction() as tx:
+            for statement in _SCHEMA:
+                tx.execute(statement)
+
+    @property
+    def display_location(self) -> str:
+        return self.db.display_location
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def ensure_job(self, num_rows: int, shard_size: int) -> bool:
+        """Creates the job's shards, or checks that an existing job has the same shape.
+
+        Returns True if this call created the job. Safe to call from many workers at once.
+        """
+        if num_rows < 0 or shard_size <= 0:
+            raise ValueError(f"num_rows must be >= 0 and shard_size > 0, got {num_rows} and {shard_size}")
+        with self.db.transaction() as tx:
+            row = tx.fetchone("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = ?", (self.job,))
+            if row is not None:
+                if (int(row[0]), int(row[1])) != (num_rows, shard_size):
+                    raise JobMismatchError(
+                        f"The ledger at {self.display_location} already holds job {self.job!r} over {row[0]} rows "
+                        f"in shards of {row[1]}, but this run has {num_rows} rows in shards of {shard_size}. "
+                        "Resume with the same dataset and shard size, or write to a new output directory."
+                    )
+                return False
+            tx.execute(
+                "INSERT INTO paro_predict_jobs (job, num_rows, shard_size, created_at) VALUES (?, ?, ?, ?)",
+                (self.job, num_rows, shard_size, self.clock()),
+            )
+            tx.executemany(
+                "INSERT INTO paro_predict_shards (job, shard_id, start_row, end_row, state, attempts) "
+                "VALUES (?, ?, ?, ?, ?, 0)",
+                (
+                    (self.job, i, start, min(start + shard_size, num_rows), TODO)
+                    for i, start in enumerate(range(0, num_rows, shard_size))
+                ),
+            )
+            return True
+
+    def job_shape(self) -> Optional[tuple[int, int]]:
+        """``(num_rows, shard_size)`` of the job, or None if it was never created."""
+        rows = self.db.query("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = ?", (self.job,))
+        return (int(rows[0][0]), int(rows[0][1])) if rows else None
+
+    def register_worker(self, owner: str, host: str, pid: int) -> None:
+        now = self.clock()
+        with self.db.transaction() as tx:
+            tx.execute("DELETE FROM paro_predict_workers WHERE job = ? AND owner = ?", (self.job, owner))
+            tx.execute(
+                "INSERT INTO paro_predict_workers (job, owner, host, pid, started_at, last_seen) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (self.job, owner, host, pid, now, now),
+            )
+
+    # ---- leasing ------------------------------------------------------------------------------
+
+    def lease(
+        self,
+        owner: str,
+        lease_ttl_s: float,
+        max_attempts: int = 3,
+        speculate_after_s: Optional[float] = None,
+    ) -> Union[Lease, LeaseWait]:
+        """Hands ``owner`` the first free shard (todo, or leased with an expired lease).
+
+        A shard whose ``max_attempts`` leases all ended without a commit is split in two (or, at a
+        single row, poisoned) instead of being handed out again. With nothing free and
+        ``speculate_after_s`` set, the oldest lease held by another worker for longer than that is
+        shared speculatively; whichever worker commits first wins.
+        """
+        now = self.clock()
+        with self.db.transaction() as tx:
+            while True:
+                row = tx.fetchone(
+                    "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
+                    "WHERE job = ? AND (state = ? OR (state = ? AND lease_expires < ? "
+                    "AND (spec_owner IS NULL OR spec_expires < ?))) ORDER BY start_row, shard_id LIMIT 1",
+                    (self.job, TODO, LEASED, now, now),
+                )
+                if row is None:
+                    break
+                shard_id, start, end, attempts = (int(v) for v in row)
+                if attempts >= max_attempts:
+                    self._isolate(tx, shard_id, start, end, attempts)
+                    continue
+                tx.execute(
+                    "UPDATE paro_predict_shards SET state = ?, owner = ?, lease_expires = ?, leased_at = ?, "
+                    "attempts = attempts + 1, spec_owner = NULL, spec_expires = NULL WHERE job = ? AND shard_id = ?",
+                    (LEASED, owner, now + lease_ttl_s, now, self.job, shard_id),
+                )
+                return Lease(shard_id, start, end, attempts + 1, speculative=False)
+
+            if speculate_after_s is not None:
+                row = tx.fetchone(
+                    "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
+                    "WHERE job = ? AND state = ? AND owner <> ? AND lease_expires >= ? AND leased_at <= ? "
+                    "AND (spec_owner IS NULL OR spec_expires < ?) ORDER BY leased_at, shard_id LIMIT 1",
+                    (self.job, LEASED, owner, now, now - speculate_after_s, now),
+                )
+                if row is not None:
+                    shard_id, start, end, attempts = (int(v) for v in row)
+                    tx.execute(
+                        "UPDATE paro_predict_shards SET spec_owner = ?, spec_expires = ? "
+                        "WHERE job = ? AND shard_id = ?",
+                        (owner, now + lease_ttl_s, self.job, shard_id),
+                    )
+                    return Lease(shard_id, start, end, attempts, speculative=True)
+
+            remaining = tx.fetchone(
+                "SELECT COUNT(*) FROM paro_predict_shards WHERE job = ? AND state IN (?, ?)", (self.job, TODO, LEASED)
+            )
+            return LeaseWait.DONE if int(remaining[0]) == 0 else LeaseWait.WAIT
+
+    def _isolate(self, tx, shard_id: int, start: int, end: int, attempts: int) -> None:
+        """Splits a repeatedly failing shard in two, or poisons it when it is a single row."""
+        if end - start <= 1:
+            tx.execute(
+                "UPDATE paro_predict_shards SET state = ?, rows_failed = ?, error = ? WHERE job = ? AND shard_id = ?",
+                (
+                    POISONED,
+                    end - start,
+                    f"row {start}: {attempts} attempts ended without a commit (the worker died, hung or was "
+                    "killed while predicting this row)",
+                    self.job,
+                    shard_id,
+                ),
+            )
+            return
+        mid = (start + end) // 2
+        next_id = int(tx.fetchone("SELECT MAX(shard_id) FROM paro_predict_shards WHERE job = ?", (self.job,))[0]) + 1
+        tx.execute("UPDATE paro_predict_shards SET state = ? WHERE job = ? AND shard_id = ?", (SPLIT, self.job, shard_id))
+        tx.executemany(
+            "INSERT INTO paro_predict_shards (job, shard_id, start_row, end_row, state, attempts, parent) "
+            "VALUES (?, ?, ?, ?, ?, 0, ?)",
+            [(self.job, next_id, start, mid, TODO, shard_id), (self.job, next_id + 1, mid, end, TODO, shard_id)],
+        )
+
+    def renew(self, owner: str, lease_ttl_s: float) -> int:
+        """Pushes forward the expiry of every lease ``owner`` holds; returns how many."""
+        now = self.clock()
+        with self.db.transaction() as tx:
+            renewed = tx.execute(
+                "UPDATE paro_predict_shards SET lease_expires = ? WHERE job = ? AND owner = ? AND state = ?",
+                (now + lease_ttl_s, self.job, owner, LEASED),
+            )
+            renewed += tx.execute(
+                "UPDATE paro_predict_shards SET spec_expires = ? WHERE job = ? AND spec_owner = ? AND state = ?",
+                (now + lease_ttl_s, self.job, owner, LEASED),
+            )
+            tx.execute(
+                "UPDATE paro_predict_workers SET last_seen = ? WHERE job = ? AND owner = ?", (now, self.job, owner)
+            )
+        return max(renewed, 0)
+
+    def release(self, owner: str) -> None:
+        """Expires ``owner``'s leases at once so other workers take them without waiting (clean shutdown)."""
+        now = self.clock()
+        with self.db.transaction() as tx:
+            tx.execute(
+                "UPDATE paro_predict_shards SET lease_expires = ? WHERE job = ? AND owner = ? AND state = ?",
+                (now - 1.0, self.job, owner, LEASED),
+            )
+            tx.execute(
+                "UPDATE paro_predict_shards SET spec_owner = NULL, spec_expires = NULL "
+                "WHERE job = ? AND spec_owner = ? AND state = ?",
+                (self.job, owner, LEASED),
+            )
+
+    # ---- completion ---------------------------------------------------------------------------
+
+    def commit(self, shard_id: int, owner: str, rows_written: int, rows_failed: int, file: str) -> CommitResult:
+        """Marks a shard committed once its file is durably on disk. The first commit wins."""
+        now = self.clock()
+        with self.db.transaction() as tx:
+            changed = tx.execute(
+                "UPDATE paro_predict_shards SET state = ?, rows_written = ?, rows_failed = ?, file = ?, "
+                "committed_at = ?, committed_by = ?, spec_owner = NULL WHERE job = ? AND shard_id = ? "
+                "AND state IN (?, ?)",
+                (COMMITTED, rows_written, rows_failed, file, now, owner, self.job, shard_id, TODO, LEASED),
+            )
+            if changed == 1:
+                return CommitResult.COMMITTED
+            row = tx.fetchone(
+                "SELECT state FROM paro_predict_shards WHERE job = ? AND shard_id = ?", (self.job, shard_id)
+            )
+        if row is not None and row[0] == COMMITTED:
+            return CommitResult.ALREADY_COMMITTED
+        return CommitResult.SUPERSEDED
+
+    def shard_state(self, shard_id: int) -> Optional[str]:
+        rows = self.db.query(
+            "SELECT state FROM paro_predict_shards WHERE job = ? AND shard_id = ?", (self.job, shard_id)
+        )
+        return rows[0][0] if rows else None
+
+    def shards(self, states: Optional[tuple[str, ...]] = None) -> list[ShardRecord]:
+        """All shards of the job (optionally only those in ``states``), ordered by first row."""
+        sql = f"SELECT {_SHARD_COLUMNS} FROM paro_predict_shards WHERE job = ?"
+        params: list = [self.job]
+        if states:
+            sql += " AND state IN (" + ", ".join("?" for _ in states) + ")"
+            params.extend(states)
+        rows = self.db.query(sql + " ORDER BY start_row, shard_id", params)
+        return [
+            ShardRecord(
+                shard_id=int(r[0]),
+                start_row=int(r[1]),
+                end_row=int(r[2]),
+                state=r[3],
+                owner=r[4],
+                lease_expires=r[5],
+                attempts=int(r[6]),
+                rows_written=None if r[7] is None else int(r[7]),
+                rows_failed=None if r[8] is None else int(r[8]),
+                file=r[9],
+                error=r[10],
+                committed_at=r[11],
+                committed_by=r[12],
+            )
+            for r in rows
+        ]
+
+    def failed_rows(self) -> int:
+        """Rows isolated as poison so far, over the whole job."""
+        row = self.db.query(
+            "SELECT COALESCE(SUM(rows_failed), 0) FROM paro_predict_shards WHERE job = ? AND state IN (?, ?)",
+            (self.job, COMMITTED, POISONED),
+        )
+        return int(row[0][0])
+
+    def workers(self) -> list[tuple[str, str, int, float, float]]:
+        """``(owner, host, pid, started_at, last_seen)`` of every worker that ever joined the job."""
+        rows = self.db.query(
+            "SELECT owner, host, pid, started_at, last_seen FROM paro_predict_workers WHERE job = ? ORDER BY started_at",
+            (self.job,),
+        )
+        return [(r[0], r[1], int(r[2]), float(r[3]), float(r[4])) for r in rows]
