@@ -1,0 +1,26 @@
+"""Elastic, exactly-once, resumable batch prediction for ``Trainer.predict``."""
+
+from lightning_paro.predict.callback import ElasticPredict
+from lightning_paro.predict.config import ElasticPredictConfig
+from lightning_paro.predict.db import LedgerUnavailableError
+from lightning_paro.predict.ledger import Ledger
+from lightning_paro.predict.manifest import JobIncompleteError
+from lightning_paro.predict.progress import JobProgress, read_progress
+from lightning_paro.predict.reader import iter_predictions, read_errors, read_predictions
+from lightning_paro.predict.shard_files import OutputNotWritableError
+from lightning_paro.predict.writer import ErrorBudgetExceededError
+
+__all__ = [
+    "ElasticPredict",
+    "ElasticPredictConfig",
+    "ErrorBudgetExceededError",
+    "JobIncompleteError",
+    "JobProgress",
+    "Ledger",
+    "LedgerUnavailableError",
+    "OutputNotWritableError",
+    "iter_predictions",
+    "read_errors",
+    "read_predictions",
+    "read_progress",
+]

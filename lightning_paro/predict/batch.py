@@ -1,0 +1,121 @@
+"""What travels from the shard sampler through DataLoader workers to ``predict_step`` and the writer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+IDLE_SHARD = -1
+
+
+class BatchTicket(NamedTuple):
+    """One batch's worth of dataset indices from a leased shard, as yielded by the shard sampler.
+
+    A NamedTuple (not a dataclass) because Lightning's device transfer rebuilds dataclasses field by
+    field and rejects frozen ones, while tuples pass through untouched.
+    """
+
+    shard_id: int
+    start_row: int
+    end_row: int
+    indices: tuple
+    last: bool
+    attempt: int
+
+    @property
+    def idle(self) -> bool:
+        """An idle ticket carries no rows: it keeps the loop turning while this worker waits for work."""
+        return self.shard_id == IDLE_SHARD
+
+
+def idle_ticket() -> BatchTicket:
+    return BatchTicket(IDLE_SHARD, 0, 0, (), False, 0)
+
+
+class RowFailure(NamedTuple):
+    """A row that raised in the dataset or in ``predict_step`` after its retries."""
+
+    index: int
+    row_id: Any
+    stage: str
+    error: str
+    traceback: str
+
+
+@dataclass
+class ElasticBatch:
+    """A collated user batch plus the bookkeeping that gives every row its stable id."""
+
+    data: Any
+    """The user's collated batch of the rows that loaded (None when none did)."""
+    ticket: BatchTicket
+    """Where the rows came from."""
+    indices: list = field(default_factory=list)
+    """Dataset index of each row in ``data``, in order."""
+    ids: Optional[list] = None
+    """The user id column's value for each row in ``data``, when one is configured."""
+    failures: list = field(default_factory=list)
+    """Rows that raised while loading."""
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+@dataclass
+class StepOutcome:
+    """What the wrapped ``predict_step`` hands to the writer for one batch."""
+
+    ticket: BatchTicket
+    """The batch's ticket."""
+    chunks: list = field(default_factory=list)
+    """``(positions, prediction)`` pairs: predictions for the rows at those positions of the batch."""
+    indices: list = field(default_factory=list)
+    """Dataset index of each row of the batch."""
+    ids: Optional[list] = None
+    """User ids of the rows, when configured."""
+    failures: list = field(default_factory=list)
+    """Rows that raised in loading or predicting."""
+
+
+def batch_size_of(batch: Any) -> Optional[int]:
+    """The number of rows in a collated batch, read from its first sliceable leaf."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return int(batch.shape[0]) if batch.ndim > 0 else None
+    if isinstance(batch, dict):
+        for value in batch.values():
+            n = batch_size_of(value)
+            if n is not None:
+                return n
+        return None
+    if isinstance(batch, (list, tuple)):
+        for value in batch:
+            n = batch_size_of(value)
+            if n is not None:
+                return n
+        return None
+    return None
+
+
+def slice_batch(batch: Any, positions: list, size: int) -> Any:
+    """The rows at ``positions`` of a collated batch: every leaf whose first dimension is ``size`` is sliced.
+
+    Used to bisect a failing batch down to the rows that raise without re-reading them.
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.ndim > 0 and batch.shape[0] == size:
+            return batch[torch.as_tensor(positions, dtype=torch.long, device=batch.device)]
+        return batch
+    if isinstance(batch, np.ndarray):
+        return batch[np.asarray(positions)] if batch.ndim > 0 and batch.shape[0] == size else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: slice_batch(v, positions, size) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(slice_batch(v, positions, size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == size and all(not isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in batch):
+            return type(batch)(batch[p] for p in positions)  # a per-row list such as strings
+        return type(batch)(slice_batch(v, positions, size) for v in batch)
+    return batch

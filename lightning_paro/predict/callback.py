@@ -1,0 +1,84 @@
+"""``ElasticPredict``: the Lightning callback that makes ``trainer.predict`` elastic, exactly-once and resumable."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_paro.predict.config import ElasticPredictConfig
+from lightning_paro.predict.loader import single_dataloader
+from lightning_paro.predict.run import WorkerRun, wrap_predict_step
+
+log = logging.getLogger(__name__)
+
+
+class ElasticPredict(Callback):
+    """Streams ``trainer.predict`` output into committed shard files, with shards leased from a ledger.
+
+    Add it to a normal Trainer and call ``trainer.predict(model, dataloaders=loader)``: the loader's
+    dataset is split into shards that this worker leases one at a time; any number of workers (plain
+    processes, torchrun, a scheduler) can run the same code against the same ``output_dir`` and
+    ledger. Predictions are written by a background thread and never returned or kept in memory.
+    Keyword arguments are the fields of ``ElasticPredictConfig``.
+    """
+
+    def __init__(self, output_dir: str, **settings: Any) -> None:
+        self.config = ElasticPredictConfig(output_dir=str(output_dir), **settings)
+        self.run: Optional[WorkerRun] = None
+        self.manifest: Optional[dict] = None
+        self._original_step = None
+        self._module: Optional[pl.LightningModule] = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "predict":
+            return
+        source = trainer.predict_loop._data_source  # the dataloaders given to trainer.predict, not yet iterated
+        loader = single_dataloader(source.dataloader())
+        self.run = WorkerRun(self.config, loader)
+        source.instance = self.run.dataloader
+        # predictions go to disk; Lightning must not also collect them all in memory
+        trainer.predict_loop.return_predictions = False
+        self._module = pl_module
+        self._original_step = pl_module.predict_step
+        pl_module.predict_step = wrap_predict_step(self._original_step, self.config.row_retries)
+
+    @override
+    def on_predict_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        assert self.run is not None
+        self.run.on_batch_end(outputs)
+        text = self.run.progress_text
+        bar = getattr(trainer.progress_bar_callback, "predict_progress_bar", None)
+        if text and bar is not None and hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(text, refresh=False)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.run is not None
+        self.manifest = self.run.finish()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.run is not None:
+            self.run.abort()
+        self._restore()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "predict":
+            return
+        if self.run is not None:
+            self.run.close()
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._module is not None and "predict_step" in self._module.__dict__:
+            del self._module.__dict__["predict_step"]
+        self._module = None

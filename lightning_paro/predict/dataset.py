@@ -1,0 +1,92 @@
+"""The dataset and collate wrappers that run in DataLoader workers: per-row error capture and row ids."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, Optional
+
+from torch.utils.data import Dataset, default_collate
+
+from lightning_paro.predict.batch import BatchTicket, ElasticBatch, RowFailure
+
+
+class LoadedRows:
+    """The samples of one ticket that loaded, and the rows that raised."""
+
+    def __init__(self, ticket: BatchTicket, samples: list, indices: list, failures: list) -> None:
+        self.ticket = ticket
+        self.samples = samples
+        self.indices = indices
+        self.failures = failures
+
+
+def load_row(dataset: Any, index: int, retries: int) -> tuple[Any, Optional[BaseException], str]:
+    """``dataset[index]``, retried ``retries`` times; returns (sample, None, "") or (None, error, traceback)."""
+    for attempt in range(retries + 1):
+        try:
+            return dataset[index], None, ""
+        except Exception as exc:  # a poison row must not take the worker down: it is reported instead
+            if attempt == retries:
+                return None, exc, traceback.format_exc(limit=8)
+    raise AssertionError("unreachable")
+
+
+class ElasticDataset(Dataset):
+    """Wraps a map-style dataset: reads a whole ticket, capturing rows that raise instead of failing the batch."""
+
+    def __init__(self, dataset: Any, row_retries: int = 1) -> None:
+        self.dataset = dataset
+        self.row_retries = row_retries
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, ticket: BatchTicket) -> LoadedRows:
+        samples, indices, failures = [], [], []
+        for index in ticket.indices:
+            sample, error, tb = load_row(self.dataset, index, self.row_retries)
+            if error is None:
+                samples.append(sample)
+                indices.append(index)
+            else:
+                failures.append(RowFailure(index, index, "dataset", f"{type(error).__name__}: {error}", tb))
+        return LoadedRows(ticket, samples, indices, failures)
+
+
+class ElasticCollate:
+    """Collates the loaded samples with the user's collate function and wraps them in an ``ElasticBatch``."""
+
+    def __init__(self, collate_fn: Optional[Callable] = None, id_column: Optional[str] = None) -> None:
+        self.collate_fn = collate_fn or default_collate
+        self.id_column = id_column
+
+    def __call__(self, loaded: LoadedRows) -> ElasticBatch:
+        ids = None
+        failures = list(loaded.failures)
+        samples, indices = loaded.samples, loaded.indices
+        if self.id_column is not None:
+            ids = []
+            kept_samples, kept_indices = [], []
+            for sample, index in zip(samples, indices):
+                try:
+                    ids.append(_plain(sample[self.id_column]))
+                except (KeyError, TypeError, IndexError) as exc:
+                    failures.append(
+                        RowFailure(index, index, "dataset", f"id column {self.id_column!r} missing: {exc!r}", "")
+                    )
+                    continue
+                kept_samples.append(sample)
+                kept_indices.append(index)
+            samples, indices = kept_samples, kept_indices
+        data = self.collate_fn(samples) if samples else None
+        return ElasticBatch(data=data, ticket=loaded.ticket, indices=list(indices), ids=ids, failures=failures)
+
+
+def _plain(value: Any) -> Any:
+    """A tensor or numpy scalar id as a plain Python value, so it can be written and compared."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    return value

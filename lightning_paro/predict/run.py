@@ -1,0 +1,157 @@
+"""One worker's part in a prediction job, as plain objects the Lightning callback only forwards to."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from torch.utils.data import DataLoader
+
+from lightning_paro.predict import shard_files
+from lightning_paro.predict.batch import ElasticBatch, StepOutcome
+from lightning_paro.predict.config import ElasticPredictConfig
+from lightning_paro.predict.heartbeat import Heartbeat, ProgressClock
+from lightning_paro.predict.isolation import predict_isolated
+from lightning_paro.predict.ledger import Lease, Ledger
+from lightning_paro.predict.loader import sharded_dataloader
+from lightning_paro.predict.manifest import finalize_job
+from lightning_paro.predict.progress import read_progress
+from lightning_paro.predict.sampler import InFlightShards, ShardBatchSampler
+from lightning_paro.predict.writer import ErrorBudgetExceededError, ShardWriter, acknowledge_existing
+
+log = logging.getLogger(__name__)
+
+
+def default_worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def wrap_predict_step(step: Callable, row_retries: int) -> Callable:
+    """``step`` made elastic: an ``ElasticBatch`` is predicted with poison isolation, anything else passes through."""
+
+    @functools.wraps(step)  # keeps the signature Lightning inspects to decide which arguments to pass
+    def elastic_predict_step(*args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        if not isinstance(batch, ElasticBatch):
+            return step(*args, **kwargs)
+        rest = args[1:]
+        return predict_isolated(lambda data: step(data, *rest, **kwargs), batch, row_retries)
+
+    return elastic_predict_step
+
+
+class WorkerRun:
+    """Sampler, writer and heartbeat of one worker, from set-up to the job's manifest."""
+
+    def __init__(self, config: ElasticPredictConfig, loader: DataLoader) -> None:
+        self.config = config
+        self.owner = config.worker_name or default_worker_name()
+        self.output_dir = config.output_path
+        shard_files.check_output_dir(self.output_dir)
+        self.ledger = self.open_ledger()
+        num_rows = len(loader.dataset)
+        shard_size = config.shard_size
+        if shard_size is None:
+            shape = self.ledger.job_shape()
+            # a resumed or joining worker adopts the job's shard size unless told otherwise
+            shard_size = shape[1] if shape is not None else 16 * int(loader.batch_size)
+        self.ledger.ensure_job(num_rows, shard_size)
+        self.ledger.register_worker(self.owner, socket.gethostname(), os.getpid())
+        self.num_rows = num_rows
+        self.in_flight = InFlightShards()
+        self.clock = ProgressClock()
+        self.stop = threading.Event()
+        self.progress_text: Optional[str] = None
+        self._last_progress_read = 0.0
+        self.sampler = ShardBatchSampler(
+            self.open_ledger, self.owner, int(loader.batch_size), config, self.in_flight, self._acknowledge, self.stop
+        )
+        self.dataloader = sharded_dataloader(loader, self.sampler, config.id_column, config.row_retries)
+        self.writer = ShardWriter(
+            self.open_ledger,
+            self.output_dir,
+            config.format,
+            self.owner,
+            config.index_column,
+            config.id_column,
+            config.max_failed_rows,
+            self.in_flight,
+            self.clock,
+            config.writer_queue_size,
+        )
+        self.heartbeat = Heartbeat(
+            self.open_ledger,
+            self.owner,
+            config.lease_ttl_s,
+            config.heartbeat_every_s,
+            config.stall_timeout_s,
+            self.clock,
+            on_tick=self._read_progress,
+        )
+        self.writer.start()
+        self.heartbeat.start()
+        self.manifest: Optional[dict] = None
+        log.info("worker %s joined job %s (ledger %s)", self.owner, config.job, self.ledger.display_location)
+
+    def open_ledger(self) -> Ledger:
+        return Ledger(self.config.ledger_location, self.config.job)
+
+    def _acknowledge(self, ledger: Ledger, lease: Lease) -> bool:
+        return acknowledge_existing(self.output_dir, self.config.format, self.owner, ledger, lease)
+
+    def _read_progress(self, ledger: Ledger) -> None:
+        now = ledger.clock()
+        if now - self._last_progress_read < self.config.progress_interval_s:
+            return
+        self._last_progress_read = now
+        self.progress_text = read_progress(ledger).summary()
+        log.info("job %s: %s", self.config.job, self.progress_text)
+
+    def on_batch_end(self, outputs: Any) -> None:
+        """Hands one batch's predictions to the writer (blocking while its queue is full)."""
+        if isinstance(outputs, StepOutcome):
+            self.writer.submit(outputs)
+        self.clock.touch()
+
+    def finish(self) -> Optional[dict]:
+        """Drains the writer; when the job is complete, writes its manifest and enforces the error budget."""
+        self.writer.close()
+        self.heartbeat.stop()
+        if self.sampler.saw_done and self.config.finalize:
+            self.manifest = finalize_job(
+                self.output_dir,
+                self.ledger,
+                self.config.format,
+                self.config.index_column,
+                self.config.id_column,
+                self.config.max_failed_rows,
+            )
+            failed = self.manifest["rows_failed"]
+            if failed > self.config.max_failed_rows:
+                from lightning_paro.predict.reader import read_errors
+                from lightning_paro.predict.writer import error_budget_message
+
+                raise ErrorBudgetExceededError(
+                    error_budget_message(failed, self.config.max_failed_rows, read_errors(self.output_dir), self.output_dir)
+                )
+        return self.manifest
+
+    def abort(self) -> None:
+        """Stops everything after an error and hands this worker's leases back at once."""
+        self.stop.set()
+        self.writer.abort()
+        self.heartbeat.stop()
+        try:
+            self.ledger.release(self.owner)
+        except Exception as exc:  # the ledger may be the thing that failed; leases then just expire
+            log.warning("could not release the leases of worker %s: %s", self.owner, exc)
+
+    def close(self) -> None:
+        self.sampler.close()
+        self.ledger.close()
