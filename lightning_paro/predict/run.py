@@ -138,7 +138,13 @@ class WorkerRun:
                 from lightning_paro.predict.writer import error_budget_message
 
                 raise ErrorBudgetExceededError(
-                    error_budget_message(failed, self.config.max_failed_rows, read_errors(self.output_dir), self.output_dir)
+                    error_budget_message(
+                        failed,
+                        self.config.max_failed_rows,
+                        read_errors(self.output_dir),
+                        self.output_dir,
+                        self.config.index_column,
+                    )
                 )
         return self.manifest
 

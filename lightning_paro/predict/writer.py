@@ -27,8 +27,8 @@ class ErrorBudgetExceededError(RuntimeError):
     """More rows were isolated as poison than the job's error budget allows."""
 
 
-def error_budget_message(failed: int, budget: int, examples: list, output_dir: Path) -> str:
-    shown = "; ".join(f"row {f['index']} ({f['stage']}): {f['error']}" for f in examples[:5])
+def error_budget_message(failed: int, budget: int, examples: list, output_dir: Path, index_column: str) -> str:
+    shown = "; ".join(f"row {f[index_column]} ({f['stage']}): {f['error']}" for f in examples[:5])
     return (
         f"{failed} rows failed, more than the error budget of {budget} (max_failed_rows). Examples: {shown}. "
         f"All failed rows and their tracebacks are in {output_dir / shard_files.ERRORS_DIR}. Fix the data or the model, "
@@ -251,5 +251,5 @@ class ShardWriter(threading.Thread):
             failed = ledger.failed_rows()
             if failed > self.max_failed_rows:
                 raise ErrorBudgetExceededError(
-                    error_budget_message(failed, self.max_failed_rows, shard.failures, self.output_dir)
+                    error_budget_message(failed, self.max_failed_rows, shard.failures, self.output_dir, self.index_column)
                 )

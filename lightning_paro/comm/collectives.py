@@ -1,0 +1,211 @@
+"""Collectives over a :class:`Topology`: intra-group, inter-group (rail) and hierarchical global ones.
+
+Every collective works on flat, contiguous buffers laid out as in the PaRO design (section 4): a buffer of ``L``
+elements (a multiple of n) is split into m *intra blocks*, each split into g *sub-blocks*; rank (i, j) holds intra
+block j at level I and sub-block i of intra block j at level G. With that layout a global all-gather is an inter
+all-gather followed by an intra all-gather, and a global reduce-scatter is an intra reduce-scatter followed by an
+inter one, with no copies.
+
+All collectives of one :class:`Communicator` run, in the order they were issued, on one background thread: ranks
+issue them in the same order, so they match across ranks, and the caller's thread is free to compute while they
+run (``async_op=True`` returns a :class:`CommHandle`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
+from lightning_paro.comm.topology import Topology
+
+Scope = Literal["intra", "inter", "global"]
+ReduceOp = Literal["sum", "avg"]
+
+
+class CommHandle:
+    """A collective in flight. :meth:`wait` blocks until it (and everything issued before it) has finished."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class Communicator:
+    """Issues the collectives of one rank over a :class:`Topology` and records their traffic in a meter."""
+
+    def __init__(self, topology: Topology, meter: TrafficMeter | None = None) -> None:
+        self.topology = topology
+        self.meter = meter if meter is not None else TrafficMeter()
+        self._groups = topology.groups
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="paro-comm", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public collectives
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope, async_op: bool = False) -> CommHandle | None:
+        """Gather ``shard`` from every rank of ``scope`` into ``out`` (in place where ``shard`` is this rank's slot).
+
+        ``global`` gathers 1/n shards at their layout positions: inter all-gather into this rank's intra block, then
+        intra all-gather of the blocks.
+        """
+        nbytes = out.numel() * out.element_size()
+        if scope == "global":
+            self._account("all_gather", INTER, nbytes // self.topology.group_size)
+            self._account("all_gather", INTRA, nbytes)
+        else:
+            self._account("all_gather", scope, nbytes)
+        return self._submit(lambda: self._all_gather(out, shard, scope), async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
+                       async_op: bool = False) -> CommHandle | None:
+        """Reduce ``full`` over the ranks of ``scope`` and keep this rank's slice of it in ``out``."""
+        nbytes = full.numel() * full.element_size()
+        if scope == "global":
+            self._account("reduce_scatter", INTRA, nbytes)
+            self._account("reduce_scatter", INTER, nbytes // self.topology.group_size)
+        else:
+            self._account("reduce_scatter", scope, nbytes)
+        return self._submit(lambda: self._reduce_scatter(out, full, scope, op), async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
+                   async_op: bool = False) -> CommHandle | None:
+        """Reduce ``tensor`` in place over the ranks of ``scope`` (``global`` runs hierarchically)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if scope == "global":
+            self._account("reduce_scatter", INTRA, nbytes)
+            self._account("all_reduce", INTER, nbytes // self.topology.group_size)
+            self._account("all_gather", INTRA, nbytes)
+        else:
+            self._account("all_reduce", scope, nbytes)
+        return self._submit(lambda: self._all_reduce(tensor, scope, op), async_op)
+
+    def submit(self, fn: Callable[[], None], async_op: bool = True) -> CommHandle | None:
+        """Run ``fn`` on the communication thread after everything issued so far (e.g. consume a result)."""
+        return self._submit(fn, async_op)
+
+    def scalar_all_reduce(self, tensor: torch.Tensor, scope: Scope) -> None:
+        """Sum a small control tensor (a norm, a flag) over ``scope``; its traffic is recorded as ``control``."""
+        group = {"intra": self._groups.intra, "inter": self._groups.rail, "global": self._groups.world}[scope]
+        if group is None:
+            return
+        k = dist.get_world_size(group)
+        # A scalar cannot be split into ring chunks: each rank passes it on (k - 1) times in each direction.
+        nbytes = 2 * (k - 1) * tensor.numel() * tensor.element_size()
+        self.meter.record("control", INTRA if scope == "intra" else INTER, nbytes)
+        self._submit(lambda: dist.all_reduce(tensor, group=group), False)
+
+    def close(self) -> None:
+        """Finish pending work and stop the communication thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    # ------------------------------------------------------------------ machinery
+    def _submit(self, fn: Callable[[], None], async_op: bool) -> CommHandle | None:
+        future: Future = Future()
+        self._queue.put((fn, future))
+        handle = CommHandle(future)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future = item
+            try:
+                fn()
+            except BaseException as err:  # surfaced to the waiting thread
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
+    def _account(self, op: str, scope: str, nbytes: int) -> None:
+        # Recorded when issued (sizes are known), so a step's figures are complete even while its collectives run.
+        sent = ring_bytes(op, nbytes, self._size(scope))
+        if sent:
+            self.meter.record(op, scope, sent)
+
+    def _group(self, scope: str):
+        return self._groups.intra if scope == INTRA else self._groups.rail
+
+    def _size(self, scope: str) -> int:
+        return self.topology.group_size if scope == INTRA else self.topology.num_groups
+
+    # ------------------------------------------------------------------ one-phase primitives
+    def _phase_all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: str) -> None:
+        k = self._size(scope)
+        if k == 1:
+            if shard.data_ptr() != out.data_ptr():
+                out.copy_(shard)
+            return
+        dist.all_gather_into_tensor(out, shard, group=self._group(scope))
+
+    def _phase_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str) -> None:
+        k = self._size(scope)
+        if k == 1:
+            if full.data_ptr() != out.data_ptr():
+                out.copy_(full)
+            return
+        dist.reduce_scatter_tensor(out, full, group=self._group(scope))
+
+    def _phase_all_reduce(self, tensor: torch.Tensor, scope: str) -> None:
+        k = self._size(scope)
+        if k == 1:
+            return
+        dist.all_reduce(tensor, group=self._group(scope))
+
+    # ------------------------------------------------------------------ composed collectives
+    def _block(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's intra block of a full buffer."""
+        m, j = self.topology.group_size, self.topology.local_index
+        size = full.numel() // m
+        return full[j * size:(j + 1) * size]
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope) -> None:
+        if scope == "global":
+            block = self._block(out)
+            self._phase_all_gather(block, shard, INTER)
+            self._phase_all_gather(out, block, INTRA)
+        else:
+            self._phase_all_gather(out, shard, scope)
+
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp) -> None:
+        if scope == "global":
+            block = torch.empty(full.numel() // self.topology.group_size, dtype=full.dtype, device=full.device)
+            self._phase_reduce_scatter(block, full, INTRA)
+            self._phase_reduce_scatter(out, block, INTER)
+            k = self.topology.world_size
+        else:
+            self._phase_reduce_scatter(out, full, scope)
+            k = self._size(scope)
+        if op == "avg":
+            out.div_(k)
+
+    def _all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp) -> None:
+        if scope == "global":
+            # the reduced intra block lives in a scratch buffer: reduce-scatter cannot write into its own input
+            tmp = torch.empty(tensor.numel() // self.topology.group_size, dtype=tensor.dtype, device=tensor.device)
+            self._phase_reduce_scatter(tmp, tensor, INTRA)
+            self._phase_all_reduce(tmp, INTER)
+            self._phase_all_gather(tensor, tmp, INTRA)
+            k = self.topology.world_size
+        else:
+            self._phase_all_reduce(tensor, scope)
+            k = self._size(scope)
+        if op == "avg":
+            tensor.div_(k)

@@ -1,0 +1,275 @@
+"""One flat buffer: the parameters of one unit that share a dtype and an optimizer param group.
+
+A :class:`FlatGroup` owns the storage of its parameters at every level (P, G, OS) and knows the collectives that move
+them between levels. It does not know about hooks or Lightning: the engine decides *when* each method runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_paro.comm.collectives import CommHandle, Communicator
+from lightning_paro.strategy.layout import ShardLayout
+from lightning_paro.strategy.levels import Level, ShardingSpec
+
+_SCOPE = {Level.I: "intra", Level.G: "global"}
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release the memory behind ``t`` while keeping the tensor (and the views of it) alive."""
+    storage = t.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> bool:
+    """Give ``t`` back its memory (contents undefined). Returns True if it had to allocate."""
+    storage = t.untyped_storage()
+    need = t.numel() * t.element_size()
+    if storage.size() == need:
+        return False
+    storage.resize_(need)
+    return True
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its flat buffer."""
+
+    name: str
+    """Qualified name in the root module (the first name, for tied parameters)."""
+    param: nn.Parameter
+    """The module's parameter object (its ``.data`` is a view into the flat buffer)."""
+    offset: int
+    """First element in the flat buffer."""
+    shape: torch.Size
+    """Original shape."""
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+
+class FlatGroup:
+    """Flat parameter, gradient and optimizer-state storage for a set of parameters, sharded by a PaRO spec."""
+
+    def __init__(self, slots_in: list[tuple[str, nn.Parameter]], trainable: bool, spec: ShardingSpec,
+                 comm: Communicator, master_dtype: torch.dtype | None = None) -> None:
+        self.spec = spec
+        self.comm = comm
+        self.trainable = trainable
+        first = slots_in[0][1]
+        self.dtype, self.device = first.dtype, first.device
+        offset, slots = 0, []
+        for name, p in slots_in:
+            slots.append(ParamSlot(name, p, offset, p.shape))
+            offset += p.numel()
+        self.slots: list[ParamSlot] = slots
+        self.layout = ShardLayout.of(offset, comm.topology)
+        L = self.layout.padded
+
+        # The full buffer holds the current weights; every rank starts from rank 0's (replicas must not diverge).
+        full = torch.zeros(L, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for s in slots:
+                full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        if torch.distributed.is_initialized() and comm.topology.world_size > 1:
+            torch.distributed.broadcast(full, src=0)
+
+        p0, p1 = self.layout.range(spec.params)
+        self.p_local = full if spec.params == Level.N else full[p0:p1].clone()
+        """This rank's persistent parameter storage at level P."""
+        self.p_full = full
+        """The unsharded parameters; module parameters are views of it. Freed between uses when P != N."""
+        for s in slots:
+            s.param.data = full[s.offset:s.offset + s.numel].view(s.shape)
+        self.gathered = True
+        if spec.params != Level.N:
+            free_storage(full)
+            self.gathered = False
+
+        self.g_full: torch.Tensor | None = None
+        """Where autograd accumulates this rank's full local gradient (persistent when G == N)."""
+        self.g_shard: torch.Tensor | None = None
+        """The gradient accumulated at level G across micro-steps (G != N)."""
+        self.master: nn.Parameter | None = None
+        """This rank's optimizer shard (level OS); the optimizer updates it."""
+        self.used = torch.zeros(len(slots), dtype=torch.int32)
+        """Which parameters received a gradient since the last optimizer step (on this rank)."""
+        self.frozen_ranges: list[tuple[int, int]] = []
+        """Ranges of the optimizer shard that no rank produced a gradient for: the step must leave them alone."""
+        self.pending_reduce: CommHandle | None = None
+        self.pending_param_sync: CommHandle | None = None
+        if trainable:
+            self._init_trainable(master_dtype)
+
+    # ------------------------------------------------------------------ set-up
+    def _init_trainable(self, master_dtype: torch.dtype | None) -> None:
+        spec, L = self.spec, self.layout.padded
+        self.g_full = torch.zeros(L, dtype=self.dtype, device=self.device)
+        if spec.grads == Level.N:
+            self.attach_grads()
+        else:
+            free_storage(self.g_full)
+            self.g_shard = torch.zeros(self.layout.shard_numel(spec.grads), dtype=self.dtype, device=self.device)
+        o0, o1 = self.layout.range(spec.optim)
+        p0 = self.layout.start(spec.params)
+        own = self.p_local[o0 - p0:o1 - p0]
+        master_dtype = master_dtype or self.dtype
+        if master_dtype == self.dtype:
+            # The optimizer updates the parameter storage in place: no separate master copy.
+            self.master = nn.Parameter(own, requires_grad=True)
+        else:
+            self.master = nn.Parameter(own.detach().to(master_dtype).clone(), requires_grad=True)
+
+    def attach_grads(self) -> None:
+        """Point every parameter's ``.grad`` at its slice of ``g_full`` so autograd accumulates in place."""
+        for s in self.slots:
+            s.param.grad = self.g_full[s.offset:s.offset + s.numel].view(s.shape)
+
+    def detach_grads(self) -> None:
+        for s in self.slots:
+            s.param.grad = None
+
+    @property
+    def own_param_slot(self) -> torch.Tensor:
+        """This rank's OS-level slice of its P-level storage."""
+        o0, o1 = self.layout.range(self.spec.optim)
+        p0 = self.layout.start(self.spec.params)
+        return self.p_local[o0 - p0:o1 - p0]
+
+    # ------------------------------------------------------------------ parameters
+    def gather_params(self, async_op: bool) -> CommHandle | None:
+        """All-gather the P-level shards into the full buffer (P = I: intra; P = G: inter then intra)."""
+        if self.spec.params == Level.N or self.gathered:
+            return None
+        alloc_storage(self.p_full)
+        self.gathered = True
+        p0, _ = self.layout.range(self.spec.params)
+        shard, local = self.p_full[p0:p0 + self.p_local.numel()], self.p_local
+        # The copy runs on the communication thread, after any parameter sync still writing p_local.
+        self.comm.submit(lambda: shard.copy_(local), async_op=True)
+        return self.comm.all_gather(self.p_full, shard, _SCOPE[self.spec.params], async_op=async_op)
+
+    def free_params(self) -> None:
+        if self.spec.params != Level.N and self.gathered:
+            free_storage(self.p_full)
+            self.gathered = False
+
+    # ------------------------------------------------------------------ gradients
+    def prepare_grads(self) -> None:
+        """Before this group's backward: point ``.grad`` at the full local gradient (G != N: allocate it first).
+
+        Re-attached every micro-step: ``module.zero_grad()`` (which Lightning calls at the start of a stage) drops
+        the views.
+        """
+        if not self.trainable:
+            return
+        if self.spec.grads == Level.N:
+            self.attach_grads()
+            return
+        if self.pending_reduce is not None:
+            self.pending_reduce.wait()  # the previous micro-step's reduction still reads g_full
+            self.pending_reduce = None
+        alloc_storage(self.g_full)
+        self.g_full.zero_()
+        self.attach_grads()
+
+    def reduce_grads(self) -> None:
+        """After this group's backward (G != N): reduce-scatter the local gradient into the G-level accumulator.
+
+        Runs asynchronously; the gradient memory is released once the reduction has consumed it.
+        """
+        if not self.trainable or self.spec.grads == Level.N or self.g_full.untyped_storage().size() == 0:
+            return
+        self.detach_grads()
+        tmp = torch.empty_like(self.g_shard)
+        self.comm.reduce_scatter(tmp, self.g_full, _SCOPE[self.spec.grads], async_op=True)
+        g_full, g_shard = self.g_full, self.g_shard
+
+        def accumulate() -> None:
+            g_shard.add_(tmp)
+            free_storage(g_full)
+
+        self.pending_reduce = self.comm.submit(accumulate)
+
+    def sync_grads(self) -> torch.Tensor:
+        """Once per optimizer step: bring the accumulated gradient to level OS, averaged over all n ranks."""
+        spec, L, topo = self.spec, self.layout.padded, self.comm.topology
+        if self.pending_reduce is not None:
+            self.pending_reduce.wait()
+            self.pending_reduce = None
+        if spec.grads == Level.N:
+            if spec.optim == Level.N:
+                self.comm.all_reduce(self.g_full, "global")
+                grad = self.g_full
+            elif spec.optim == Level.I:
+                grad = torch.empty(L // topo.group_size, dtype=self.dtype, device=self.device)
+                self.comm.reduce_scatter(grad, self.g_full, "intra")
+                self.comm.all_reduce(grad, "inter")
+            else:
+                grad = torch.empty(L // topo.world_size, dtype=self.dtype, device=self.device)
+                self.comm.reduce_scatter(grad, self.g_full, "global")
+        elif spec.grads == Level.I:
+            if spec.optim == Level.I:
+                self.comm.all_reduce(self.g_shard, "inter")
+                grad = self.g_shard
+            else:
+                grad = torch.empty(L // topo.world_size, dtype=self.dtype, device=self.device)
+                self.comm.reduce_scatter(grad, self.g_shard, "inter")
+        else:
+            grad = self.g_shard
+        grad.div_(topo.world_size)
+        self.master.grad = grad if grad.dtype == self.master.dtype else grad.to(self.master.dtype)
+        return self.master.grad
+
+    def zero_grad_accumulators(self) -> None:
+        if self.spec.grads == Level.N:
+            self.g_full.zero_()
+        else:
+            self.g_shard.zero_()
+
+    # ------------------------------------------------------------------ after the optimizer step
+    def sync_params(self) -> None:
+        """Launch the OS -> P parameter sync asynchronously; :meth:`wait_param_sync` waits for it at first use."""
+        own = self.own_param_slot
+        if self.master.data_ptr() != own.data_ptr():
+            with torch.no_grad():
+                own.copy_(self.master)
+        p, o = self.spec.params, self.spec.optim
+        if p == o:
+            return
+        if p == Level.N:
+            self.pending_param_sync = self.comm.all_gather(self.p_local, own, _SCOPE[o], async_op=True)
+        else:  # G -> I: gather the 1/n sub-blocks of this rank's intra block across its rail
+            self.pending_param_sync = self.comm.all_gather(self.p_local, own, "inter", async_op=True)
+
+    def wait_param_sync(self) -> None:
+        if self.pending_param_sync is not None:
+            self.pending_param_sync.wait()
+            self.pending_param_sync = None
+
+    def set_unused(self, used_anywhere: torch.Tensor) -> None:
+        """Record which slices of the optimizer shard belong to parameters no rank used in this step."""
+        o0, o1 = self.layout.range(self.spec.optim)
+        ranges = []
+        for s, used in zip(self.slots, used_anywhere.tolist()):
+            if not used:
+                a, b = max(s.offset, o0), min(s.offset + s.numel, o1)
+                if a < b:
+                    ranges.append((a - o0, b - o0))
+        self.frozen_ranges = ranges
+
+    # ------------------------------------------------------------------ accounting
+    def state_bytes(self) -> dict[str, int]:
+        """Persistent bytes this rank holds for this group: parameters (P), gradients (G), and a separate master."""
+        out = {"params": self.p_local.numel() * self.p_local.element_size(), "grads": 0, "master": 0}
+        if self.trainable:
+            g = self.g_full if self.spec.grads == Level.N else self.g_shard
+            out["grads"] = g.numel() * g.element_size()
+            if self.master.data_ptr() != self.own_param_slot.data_ptr():
+                out["master"] = self.master.numel() * self.master.element_size()
+        return out

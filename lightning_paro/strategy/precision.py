@@ -1,0 +1,69 @@
+"""Precision plugins whose norm clipping reduces over the ranks that hold disjoint optimizer shards."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from lightning_paro.strategy.engine import PaROEngine
+
+
+class _ShardedClipping:
+    """Mixin: ``clip_grad_by_norm`` through the engine (value clipping is element-wise and needs no change)."""
+
+    paro_engine: PaROEngine | None = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        if self.paro_engine is None:
+            raise RuntimeError("The PaRO precision plugin is used before the strategy set up its engine.")
+        self.paro_engine.clip_grad_norm_(float(clip_val), optimizer)
+
+
+class PaROPrecision(_ShardedClipping, Precision):
+    """``precision="32-true"`` (or 64) under the PaRO strategy."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        _ShardedClipping.clip_grad_by_norm(self, optimizer, clip_val)
+
+
+class PaROMixedPrecision(_ShardedClipping, MixedPrecision):
+    """``precision="bf16-mixed"`` under the PaRO strategy: autocast compute, fp32 parameters, so the
+    optimizer shard is the fp32 master copy."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        _ShardedClipping.clip_grad_by_norm(self, optimizer, clip_val)
+
+
+class PaROHalfPrecision(_ShardedClipping, HalfPrecision):
+    """``precision="bf16-true"``: bf16 parameters and gradients, fp32 master weights in the optimizer shard."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        _ShardedClipping.clip_grad_by_norm(self, optimizer, clip_val)
+
+
+def to_paro_precision(plugin: Precision) -> Precision:
+    """Return the PaRO counterpart of one of Lightning's standard precision plugins."""
+    if isinstance(plugin, _ShardedClipping):
+        return plugin
+    if type(plugin) is Precision:
+        return PaROPrecision()
+    if type(plugin) is MixedPrecision:
+        if plugin.scaler is not None:
+            raise ValueError(
+                "precision='16-mixed' needs a gradient scaler whose inf/NaN check would differ between ranks that hold"
+                " different gradient shards. Use precision='bf16-mixed' with the PaRO strategy."
+            )
+        return PaROMixedPrecision(plugin.precision, plugin.device, plugin.scaler)
+    if type(plugin) is HalfPrecision:
+        return PaROHalfPrecision(plugin.precision)
+    raise ValueError(
+        f"The PaRO strategy does not support the precision plugin {type(plugin).__name__}. Use"
+        " precision='32-true', 'bf16-mixed' or 'bf16-true'."
+    )

@@ -1,0 +1,384 @@
+"""``Trainer(strategy="paro")``: the Lightning-facing PaRO strategy. Thin hooks; the logic lives in the engine."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Generator, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_paro.comm.accounting import TrafficMeter
+from lightning_paro.comm.collectives import Communicator
+from lightning_paro.comm.topology import Topology
+from lightning_paro.strategy.engine import PaROEngine
+from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
+from lightning_paro.strategy.precision import to_paro_precision
+from lightning_paro.strategy.report import StepTraffic, format_summary
+from lightning_paro.strategy.units import UnitPolicy
+
+log = logging.getLogger(__name__)
+
+
+class PaROStrategy(ParallelStrategy):
+    """PaRO-DP: parameters, gradients and optimizer states each unsharded (N), sharded in the node group (I) or
+    sharded globally (G).
+
+    Args:
+        sharding: three letters for P, G and OS, e.g. ``"IIG"``; one of the 14 valid strategies.
+        group_size: ranks per group (m). Defaults to the processes per node.
+        units: which submodules are gathered and freed together: ``"auto"`` (the repeated blocks), a list of module
+            classes, or a predicate ``(name, module) -> bool``.
+        prefetch: how many units ahead to gather while the current one computes (0: no prefetch).
+        log_traffic: log ``paro/intra_bytes`` and ``paro/inter_bytes`` per optimizer step to the Trainer's loggers.
+        start_method: ``"popen"`` (Lightning's subprocess launcher, like ``"ddp"``), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; defaults to the device's.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "paro"
+
+    def __init__(
+        self,
+        sharding: Union[str, ShardingSpec] = "IIG",
+        group_size: Optional[int] = None,
+        units: UnitPolicy = "auto",
+        prefetch: int = 1,
+        log_traffic: bool = True,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.sharding = ShardingSpec.parse(sharding)
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size must be a positive integer (ranks per group), got {group_size!r}.")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"Unknown start_method {start_method!r}: use 'popen', 'spawn', 'fork' or 'forkserver'.")
+        self._group_size = group_size
+        self._units = units
+        self._prefetch = prefetch
+        self._log_traffic = log_traffic
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._topology: Optional[Topology] = None
+        self._comm: Optional[Communicator] = None
+        self.meter = TrafficMeter()
+        """Bytes sent by this rank, by collective and scope, since the strategy was set up."""
+        self.engine: Optional[PaROEngine] = None
+        """The sharding engine (set up in ``setup``)."""
+        self.traffic_history: list[StepTraffic] = []
+        """Per optimizer step: bytes this rank sent, by scope."""
+        self._last_snapshot: dict = {}
+        self._sync_grads = True
+        self._failed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def group_size(self) -> int:
+        """m: ranks per group (the processes per node unless given)."""
+        return self._group_size or self.num_processes or 1
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("The PaRO topology exists once the processes are set up.")
+        return self._topology
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = to_paro_precision(precision_plugin) if precision_plugin is not None else None
+
+    # ------------------------------------------------------------------ launch and set-up
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        topo = Topology(world_size=self.world_size, group_size=self.group_size, rank=self.global_rank)
+        if self._topology is None or (topo.world_size, topo.group_size, topo.rank) != (
+                self._topology.world_size, self._topology.group_size, self._topology.rank):
+            self._topology = topo
+            self._comm = None
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self._build_engine(self.optimizers if fitting else [])
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _build_engine(self, optimizers: list[Optimizer]) -> None:
+        if self.engine is not None:  # configure_model / setup run again: start from the plain module
+            self.engine.restore_module()
+            self.engine = None
+        if self._comm is None:
+            self._comm = Communicator(self.topology, self.meter)
+        raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
+        master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
+        assert self.lightning_module is not None
+        self.engine = PaROEngine(self.lightning_module, self.sharding, self._comm, optimizers=raw, units=self._units,
+                                 prefetch=self._prefetch, master_dtype=master_dtype)
+        self.precision_plugin.paro_engine = self.engine
+        if self.engine._untracked:
+            rank_zero_warn(
+                f"{len(self.engine._untracked)} parameters require grad but are in no optimizer (e.g."
+                f" {self.engine._untracked[0]!r}); the PaRO strategy treats them as frozen."
+            )
+        self._last_snapshot = self.meter.snapshot()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ training hooks
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None
+        self.engine.pre_step()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        assert self.engine is not None
+        self.engine.finish_backward(sync=self._sync_grads)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Micro-steps inside this context accumulate gradients without the once-per-step gradient sync."""
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.engine is not None
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        self.engine.after_optimizer_step(raw)
+        self._record_step_traffic()
+        return out
+
+    def _record_step_traffic(self) -> None:
+        now = self.meter.snapshot()
+        step = StepTraffic.between(self._last_snapshot, now)
+        self._last_snapshot = now
+        self.traffic_history.append(step)
+        module = self.lightning_module
+        if self._log_traffic and module is not None and module._trainer is not None and module.loggers:
+            module.log_dict({"paro/intra_bytes": float(step.intra), "paro/inter_bytes": float(step.inter)},
+                            on_step=True, on_epoch=False, rank_zero_only=True, prog_bar=False)
+
+    # ------------------------------------------------------------------ evaluation: gather once, no per-batch collectives
+    @override
+    def on_validation_start(self) -> None:
+        self._materialize()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._release()
+
+    @override
+    def on_test_start(self) -> None:
+        self._materialize()
+
+    @override
+    def on_test_end(self) -> None:
+        self._release()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._materialize()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._release()
+
+    def _materialize(self) -> None:
+        if self.engine is not None:
+            self.engine.materialize()
+
+    def _release(self) -> None:
+        if self.engine is not None:
+            self.engine.release()
+
+    # ------------------------------------------------------------------ state
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model state dict (collective: every rank gathers; rank 0's copy is what gets saved)."""
+        assert self.lightning_module is not None
+        if self.engine is None:
+            return self.lightning_module.state_dict()
+        was_full = self.engine.mode.value == "full"
+        self.engine.wait()
+        self.engine.materialize()
+        state = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+        if not was_full:
+            self.engine.release()
+        return state
+
+    def memory_report(self) -> dict[str, int]:
+        """Per-rank bytes of parameters, gradients and optimizer states held by the engine."""
+        return self.engine.memory_report() if self.engine is not None else {}
+
+    def summary(self) -> str:
+        """A printable report: strategy, topology, per-step traffic by scope and per-rank model-state memory."""
+        return format_summary(self.sharding, self._topology, self.traffic_history, self.memory_report(),
+                              self.engine.num_params() if self.engine is not None else {})
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            if not self._failed:
+                # Hand the user back a plain module with full weights, as after "ddp".
+                self.engine.restore_module()
+            self.engine = None
+        self._failed = False
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("paro", cls, description="PaRO-DP sharding (default strategy IIG)")
+        for name in VALID_STRATEGIES:
+            strategy_registry.register(f"paro_{name.lower()}", cls, description=f"PaRO-DP strategy {name}",
+                                       sharding=name)

@@ -1,0 +1,119 @@
+"""The PaRO design's volume formulas: traffic per optimizer step and memory per rank, for any strategy.
+
+Figures are per rank and in bytes, for the collectives this engine issues (hierarchical global collectives split
+into their intra and inter phases; ring algorithms: an all-gather or reduce-scatter over k ranks sends (k-1)/k of the
+full tensor, an all-reduce twice that). Pass padded element counts to match the engine exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_paro.strategy.levels import Level, ShardingSpec
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends per optimizer step."""
+
+    intra: float
+    """Over intra-group links."""
+    inter: float
+    """Over inter-group links."""
+
+
+def _ag(level: Level, S: float, m: int, g: int) -> Traffic:
+    """All-gather of a buffer of S bytes from level ``level`` shards."""
+    if level == Level.N:
+        return Traffic(0, 0)
+    if level == Level.I:
+        return Traffic((m - 1) / m * S, 0)
+    return Traffic((m - 1) / m * S, (g - 1) / g * S / m)
+
+
+def _add(*ts: Traffic) -> Traffic:
+    return Traffic(sum(t.intra for t in ts), sum(t.inter for t in ts))
+
+
+def _scale(t: Traffic, k: float) -> Traffic:
+    return Traffic(t.intra * k, t.inter * k)
+
+
+def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, g: int,
+                 accumulation: int) -> Traffic:
+    """Traffic per optimizer step of ``spec`` (hierarchical collectives, split by scope).
+
+    Args:
+        params_bytes: b_p * Psi (all parameters, padded).
+        trainable_bytes: b_g * Psi' (trainable parameters, padded).
+        m, g: ranks per group and number of groups.
+        accumulation: A, micro-steps per optimizer step.
+    """
+    P, G, OS = spec.params, spec.grads, spec.optim
+    S, T = params_bytes, trainable_bytes
+    # Per micro-step: gather P before forward and again before backward; reduce-scatter G after backward.
+    gather = _scale(_ag(P, S, m, g), 2)
+    reduce = _ag(G, T, m, g)  # a reduce-scatter moves what the matching all-gather moves
+    micro = _add(gather, reduce)
+    # Once per step: gradient sync G -> OS.
+    if G == Level.N:
+        if OS == Level.N:
+            syncg = Traffic(2 * (m - 1) / m * T, 2 * (g - 1) / g * T / m)
+        elif OS == Level.I:
+            syncg = Traffic((m - 1) / m * T, 2 * (g - 1) / g * T / m)
+        else:
+            syncg = _ag(Level.G, T, m, g)
+    elif G == Level.I:
+        syncg = Traffic(0, (2 if OS == Level.I else 1) * (g - 1) / g * T / m)
+    else:
+        syncg = Traffic(0, 0)
+    # Parameter sync OS -> P (trainable parameters only: frozen ones never change).
+    Tp = T * (S and 1)  # same dtype as the parameters
+    if OS == P:
+        syncp = Traffic(0, 0)
+    elif P == Level.N:
+        syncp = _ag(OS, Tp, m, g)
+    else:  # G -> I
+        syncp = Traffic(0, (g - 1) / g * Tp / m)
+    return _add(_scale(micro, accumulation), syncg, syncp)
+
+
+def flat_step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, n: int,
+                      accumulation: int) -> Traffic:
+    """The PaRO paper's accounting: every global collective counted as inter-group traffic of a flat ring."""
+    def vol(level: Level, S: float) -> Traffic:
+        if level == Level.I:
+            return Traffic((m - 1) / m * S, 0)
+        if level == Level.G:
+            return Traffic(0, (n - 1) / n * S)
+        return Traffic(0, 0)
+
+    g = n // m
+    P, G, OS = spec.params, spec.grads, spec.optim
+    S, T = params_bytes, trainable_bytes
+    micro = _add(_scale(vol(P, S), 2), vol(G, T))
+    if G == Level.N:
+        syncg = {Level.N: Traffic(0, 2 * (n - 1) / n * T), Level.I: Traffic((m - 1) / m * T, 2 * (g - 1) / g * T / m),
+                 Level.G: vol(Level.G, T)}[OS]
+    elif G == Level.I:
+        syncg = Traffic(0, (2 if OS == Level.I else 1) * (g - 1) / g * T / m)
+    else:
+        syncg = Traffic(0, 0)
+    if OS == P:
+        syncp = Traffic(0, 0)
+    elif P == Level.N:
+        syncp = vol(OS, T)
+    else:
+        syncp = Traffic(0, (g - 1) / g * T / m)
+    return _add(_scale(micro, accumulation), syncg, syncp)
+
+
+def model_state_bytes(spec: ShardingSpec, num_params: float, num_trainable: float, m: int, n: int,
+                      param_bytes: int = 4, grad_bytes: int = 4, optim_bytes: int = 8) -> dict[str, float]:
+    """Per-rank model-state memory, section 5: ``b_p Psi / d(P) + b_g Psi' / d(G) + K Psi' / d(OS)``."""
+    d = lambda level: level.degree(m, n)  # noqa: E731
+    return {
+        "params": param_bytes * num_params / d(spec.params),
+        "grads": grad_bytes * num_trainable / d(spec.grads),
+        "optim": optim_bytes * num_trainable / d(spec.optim),
+    }
