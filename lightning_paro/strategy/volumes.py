@@ -40,19 +40,22 @@ def _scale(t: Traffic, k: float) -> Traffic:
 
 
 def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, g: int,
-                 accumulation: int) -> Traffic:
+                 accumulation: int, gathers: int = 2) -> Traffic:
     """Traffic per optimizer step of ``spec`` (hierarchical collectives, split by scope).
 
     Args:
         params_bytes: b_p * Psi (all parameters, padded).
-        trainable_bytes: b_g * Psi' (trainable parameters, padded).
+        trainable_bytes: b_g * Psi' (trainable parameters, padded; the parameters are assumed to have the same
+            dtype as their gradients).
         m, g: ranks per group and number of groups.
         accumulation: A, micro-steps per optimizer step.
+        gathers: parameter gathers per micro-step: 2 for a unit (before forward and before backward), 1 for the
+            root unit, which stays gathered from the start of the forward to the end of the backward.
     """
     P, G, OS = spec.params, spec.grads, spec.optim
     S, T = params_bytes, trainable_bytes
     # Per micro-step: gather P before forward and again before backward; reduce-scatter G after backward.
-    gather = _scale(_ag(P, S, m, g), 2)
+    gather = _scale(_ag(P, S, m, g), gathers)
     reduce = _ag(G, T, m, g)  # a reduce-scatter moves what the matching all-gather moves
     micro = _add(gather, reduce)
     # Once per step: gradient sync G -> OS.
@@ -68,13 +71,12 @@ def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float
     else:
         syncg = Traffic(0, 0)
     # Parameter sync OS -> P (trainable parameters only: frozen ones never change).
-    Tp = T * (S and 1)  # same dtype as the parameters
     if OS == P:
         syncp = Traffic(0, 0)
     elif P == Level.N:
-        syncp = _ag(OS, Tp, m, g)
+        syncp = _ag(OS, T, m, g)
     else:  # G -> I
-        syncp = Traffic(0, (g - 1) / g * Tp / m)
+        syncp = Traffic(0, (g - 1) / g * T / m)
     return _add(_scale(micro, accumulation), syncg, syncp)
 
 

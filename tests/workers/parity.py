@@ -16,14 +16,21 @@ from lightning_paro import PaROStrategy  # noqa: E402
 
 out_dir = Path(sys.argv[1])
 strategies = sys.argv[2].split(",")
-precision = sys.argv[3] if len(sys.argv) > 3 else "32-true"
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
 ACC, STEPS, BS = 2, 6, 2
 
 
 class Probe(L.Callback):
-    """Capture engine facts before teardown gives the module back."""
+    """Capture engine facts before teardown gives the module back, and the traffic of every micro-step."""
+
+    def __init__(self):
+        self.micro = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        s = trainer.strategy
+        if isinstance(s, PaROStrategy):
+            self.micro.append({k: v for k, v in s.meter.snapshot().items() if k[0] != "control"})
 
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
@@ -38,20 +45,23 @@ class Probe(L.Callback):
                 ],
                 "traffic": [{"intra": t.intra, "inter": t.inter, "by_op": t.by_op} for t in s.traffic_history],
                 "summary": s.summary(),
+                "micro": [[[list(k), v] for k, v in snap.items()] for snap in self.micro],
             }
 
 
-for name in strategies:
+for spec in strategies:
+    name, _, precision = spec.partition("@")
+    precision = precision or "32-true"
     torch.manual_seed(1234)
     model = TinyLM()
     strategy = "ddp_find_unused_parameters_true" if name == "ddp" else PaROStrategy(sharding=name, group_size=2)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=ACC, gradient_clip_val=1.0, precision=precision, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Probe()])
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe := Probe()])
     trainer.fit(model, loader(world * BS * ACC * STEPS))
     result = {"losses": model.losses, "probe": getattr(model, "probe", None)}
-    (out_dir / f"{name}.{rank}.json").write_text(json.dumps(result))
+    (out_dir / f"{spec}.{rank}.json").write_text(json.dumps(result))
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out_dir / f"{name}.pt")
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out_dir / f"{spec}.pt")
 print("done", rank)
