@@ -20,13 +20,20 @@ class JobIncompleteError(RuntimeError):
     """The job still has shards to do, so it has no manifest yet."""
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    temp = path.with_name(f"{shard_files.TEMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(temp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+def _write_atomically(path: Path, text: str, tries: int = 5) -> None:
+    for attempt in range(tries):
+        temp = path.with_name(f"{shard_files.TEMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
+        with open(temp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.replace(temp, path)
+            return
+        except FileNotFoundError:
+            # a peer finalising at the same moment swept our temporary file: write it again
+            if attempt == tries - 1:
+                raise
 
 
 def finalize_job(

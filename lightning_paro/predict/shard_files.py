@@ -147,7 +147,13 @@ class ShardFileWriter:
             if self._parquet is None:  # no rows at all: an empty file would have no schema
                 raise ValueError("a Parquet shard file needs at least one written batch")
             self._parquet.close()
-            fd = os.open(self.temp, os.O_RDONLY)
+            try:
+                fd = os.open(self.temp, os.O_RDONLY)
+            except FileNotFoundError:
+                # a peer that saw the job complete swept our temporary file: fine if the shard is there
+                if self.final.exists():
+                    return PublishResult(created=False, path=self.final)
+                raise
             try:
                 os.fsync(fd)
             finally:
@@ -171,15 +177,22 @@ class ShardFileWriter:
             pass
 
 
-def write_errors_file(final: Path, records: list[dict], owner: str) -> PublishResult:
+def write_errors_file(final: Path, records: list[dict], owner: str, tries: int = 3) -> PublishResult:
     """Writes a shard's poison-row records (one JSON object a line) with the same publish protocol."""
-    temp = temp_path_for(final, owner)
-    with open(temp, "wb") as f:
-        for record in records:
-            f.write((json.dumps(record, default=str) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-    return publish(temp, final)
+    for attempt in range(tries):
+        temp = temp_path_for(final, owner)
+        with open(temp, "wb") as f:
+            for record in records:
+                f.write((json.dumps(record, default=str) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            return publish(temp, final)
+        except FileNotFoundError:
+            # swept by a peer finalising the job at this moment: write it again
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def count_rows(path: Path, fmt: str) -> int:

@@ -160,3 +160,29 @@ def test_a_different_dataset_against_the_same_output_is_refused(tmp_path):
     run_job(JobSpec(output_dir=str(out), rows=80))
     with pytest.raises(Exception, match="already holds job .* over 80 rows"):
         run_job(JobSpec(output_dir=str(out), rows=81))
+
+
+def test_concurrent_finalisers_agree(tmp_path):
+    import threading
+
+    from lightning_paro.predict.manifest import finalize_job
+
+    out = tmp_path / "out"
+    run_job(JobSpec(output_dir=str(out), rows=100, poison_model_rows=(3,), max_failed_rows=1))
+    errors: list = []
+
+    def finalise() -> None:
+        ledger = Ledger(str(out / LEDGER_FILE_NAME), str(out.resolve()))
+        try:
+            for _ in range(15):
+                finalize_job(out, ledger, "parquet", "row_id", None, 1)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=finalise) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert_exact_output(out, 100, skip={3})
