@@ -102,7 +102,8 @@ class Communicator:
         k = dist.get_world_size(group)
         # A scalar cannot be split into ring chunks: each rank passes it on (k - 1) times in each direction.
         nbytes = 2 * (k - 1) * tensor.numel() * tensor.element_size()
-        self.meter.record("control", INTRA if scope == "intra" else INTER, nbytes)
+        crosses_groups = scope == "inter" or (scope == "global" and self.topology.num_groups > 1)
+        self.meter.record("control", INTER if crosses_groups else INTRA, nbytes)
         self._submit(lambda: dist.all_reduce(tensor, group=group), False)
 
     def close(self) -> None:

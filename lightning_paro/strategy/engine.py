@@ -172,7 +172,8 @@ class PaROEngine:
             trainable = p.requires_grad and pid in group_of
             key = (group_of.get(pid) if trainable else None, p.dtype, p.device)
             per_unit[uname].setdefault(key, []).append((name, p))
-        self._untracked = [n for pid, (n, p) in names.items() if p.requires_grad and pid not in group_of]
+        self._untracked = [n for pid, (n, p) in names.items()
+                           if self.optimizers and p.requires_grad and pid not in group_of]
         units = []
         modules = dict(unit_mods)
         modules[ROOT] = self.module

@@ -170,6 +170,9 @@ class PaROStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # Fail before any process is started when the layout cannot work.
+        if self.num_processes:
+            Topology(world_size=self.num_nodes * self.num_processes, group_size=self.group_size, rank=0)
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -359,6 +362,21 @@ class PaROStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    # ------------------------------------------------------------------ pickling (spawn start methods)
+    @override
+    def __getstate__(self) -> dict:
+        # Threads, locks and process groups live in one process: the spawned workers build their own.
+        state = super().__getstate__()
+        for key in ("_topology", "_comm", "engine"):
+            state[key] = None
+        state["meter"] = None
+        return state
+
+    @override
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.meter = TrafficMeter()
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -1,0 +1,624 @@
+"""HO-Ring: hierarchical collectives whose intra- and inter-group phases overlap, chunk by chunk.
+
+A global collective over n = g groups x m ranks is run as phases over cheaper groups:
+
+* ``all_reduce``: intra reduce-scatter -> inter reduce-scatter -> inter all-gather -> intra all-gather,
+* ``reduce_scatter``: intra reduce-scatter -> inter reduce-scatter,
+* ``all_gather``: inter all-gather -> intra all-gather,
+
+where "intra" is among the m ranks of a group (one node: fast links) and "inter" is among the g ranks of a rail (the
+ranks with the same local index; every rail runs at the same time, each on its own slice). The buffer is cut into
+chunks and the phases form a pipeline: while chunk k is on the inter links, chunk k+1 is in its intra reduce-scatter
+and chunk k-1 in its intra all-gather. Each phase has its own worker thread and its own process group, so the phases
+of different chunks are in flight at the same time without racing each other or any other communicator.
+
+Every phase is built from point-to-point sends of views of the caller's buffers: each rank sends every peer exactly
+the slice that peer owns and sums what it receives (a one-step all-to-all). That moves the ideal volume,
+``(k-1)/k`` of the data per reduce-scatter or all-gather over k ranks, with no staging copies; gloo's own
+``reduce_scatter`` moves twice that. Each element of a reduction is summed by exactly one rank and then copied to the
+others, so every rank ends with the same bits.
+
+Buffer layout (the PaRO design, section 4): a flat buffer of L elements is split into m *intra blocks*, each split into
+g *sub-blocks*; the rank at position (i, j) (group i, local index j) owns sub-block i of intra block j. When n does not
+divide L the splits are as even as possible, the first parts one element longer (like :func:`torch.tensor_split`);
+:func:`shard_range` tells each rank where its shard lies.
+
+All ranks must issue the same HO-Ring collectives in the same order (as with any collective). Collectives issued with
+``async_op=True`` may be in flight together; each phase runs its work in issue order on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
+from lightning_paro.comm.topology import Topology
+
+ReduceOp = Literal["sum", "avg"]
+Range = tuple[int, int]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass(frozen=True)
+class HORingConfig:
+    """How HO-Ring cuts a collective into chunks, and when it falls back to a flat one."""
+
+    chunk_bytes: int = 4 * MiB
+    """Bytes of the full buffer per pipeline chunk: smaller overlaps better, larger pays less per-message overhead."""
+    flat_below_bytes: int = 1 * MiB
+    """Buffers smaller than this use one flat collective over the world (one latency step instead of four phases)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be a positive number of bytes, got {self.chunk_bytes}.")
+        if self.flat_below_bytes < 0:
+            raise ValueError(f"flat_below_bytes must be >= 0 (0 = never flat), got {self.flat_below_bytes}.")
+
+
+DEFAULT_CONFIG = HORingConfig()
+
+
+# ---------------------------------------------------------------------------------------------------------- layout
+def split_range(start: int, stop: int, parts: int) -> list[Range]:
+    """Split ``[start, stop)`` into ``parts`` contiguous ranges, the first ``(stop - start) % parts`` one longer."""
+    size, extra = divmod(stop - start, parts)
+    out, a = [], start
+    for p in range(parts):
+        b = a + size + (1 if p < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def layout_ranges(start: int, stop: int, group_size: int, num_groups: int) -> list[list[Range]]:
+    """The PaRO layout of ``[start, stop)``: ``ranges[j][i]`` is sub-block ``i`` of intra block ``j``."""
+    return [split_range(a, b, num_groups) for a, b in split_range(start, stop, group_size)]
+
+
+def shard_range(numel: int, topology: Topology, position: int | None = None) -> Range:
+    """Element range ``(start, stop)`` of the shard owned by ``position`` (default: this rank) in a flat buffer of
+    ``numel`` elements: sub-block ``i`` of intra block ``j`` for the rank at position ``i * m + j``.
+
+    The position is the rank itself under contiguous placement; see :func:`create_groups` for other placements.
+    """
+    m, g = topology.group_size, topology.num_groups
+    pos = topology.rank if position is None else position
+    return layout_ranges(0, numel, m, g)[pos % m][pos // m]
+
+
+# ---------------------------------------------------------------------------------------------------------- pipeline
+class HORingWork:
+    """An HO-Ring collective in flight; :meth:`wait` blocks until its result is in the output buffer."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the collective has finished; re-raise its error if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"HO-Ring collective not finished after {timeout} s: is every rank issuing it?")
+        if self._error is not None:
+            raise RuntimeError(f"HO-Ring collective failed: {self._error}") from self._error
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+class _Phase:
+    """A worker thread that runs the chunk tasks of one phase strictly in issue order.
+
+    Tasks reach a phase from different places (the issuing thread, or an earlier phase finishing a chunk) and at
+    different times on different ranks; running them by a sequence number fixed at issue makes the order of messages on
+    this phase's process group identical on every rank, so the sends of one collective never meet the receives of
+    another.
+    """
+
+    def __init__(self, name: str, group) -> None:
+        self.name = name
+        self.group = group
+        self._cv = threading.Condition()
+        self._ready: dict[int, tuple[_Job, int, int]] = {}
+        self._next_to_run = 0
+        self._next_to_reserve = 0
+        self._thread = threading.Thread(target=self._loop, name=f"ho-ring-{name}", daemon=True)
+        self._thread.start()
+
+    def reserve(self, count: int) -> int:
+        """Reserve ``count`` consecutive sequence numbers (called while issuing, on the issuing thread)."""
+        with self._cv:
+            first = self._next_to_reserve
+            self._next_to_reserve += count
+            return first
+
+    def put(self, seq: int, job: _Job, stage: int, chunk: int) -> None:
+        with self._cv:
+            self._ready[seq] = (job, stage, chunk)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._next_to_run not in self._ready:
+                    self._cv.wait()
+                job, stage, chunk = self._ready.pop(self._next_to_run)
+                self._next_to_run += 1
+            job.run(stage, chunk)
+
+
+class _Job:
+    """One collective: a list of (phase, function of the chunk index) stages, each run on every chunk in order."""
+
+    def __init__(self, stages: list[tuple[_Phase, Callable[[int], None]]], num_chunks: int) -> None:
+        self.stages = stages
+        self.num_chunks = num_chunks
+        self.work = HORingWork()
+        self._left = num_chunks
+        self._lock = threading.Lock()
+        # Sequence numbers are reserved now, at issue, so every rank gives this job the same slots in every phase.
+        self._first_seq = [phase.reserve(num_chunks) for phase, _ in stages]
+
+    def start(self) -> HORingWork:
+        if not self.stages or self.num_chunks == 0:
+            self.work._done.set()
+            return self.work
+        phase = self.stages[0][0]
+        for k in range(self.num_chunks):
+            phase.put(self._first_seq[0] + k, self, 0, k)
+        return self.work
+
+    def run(self, stage: int, chunk: int) -> None:
+        if self.work._error is None:
+            try:
+                self.stages[stage][1](chunk)
+            except BaseException as err:  # surfaced by HORingWork.wait
+                self.work._error = err
+        # A failed job still passes its chunks on, so later phases keep their sequence numbers moving.
+        if stage + 1 < len(self.stages):
+            self.stages[stage + 1][0].put(self._first_seq[stage + 1] + chunk, self, stage + 1, chunk)
+            return
+        with self._lock:
+            self._left -= 1
+            finished = self._left == 0
+        if finished:
+            self.work._done.set()
+
+
+# ---------------------------------------------------------------------------------------------------------- groups
+class HORingGroups:
+    """The process groups and phase threads HO-Ring uses for one topology. Create with :func:`create_groups`."""
+
+    def __init__(self, topology: Topology, rank_order: Sequence[int]) -> None:
+        n, m = topology.world_size, topology.group_size
+        order = tuple(int(r) for r in rank_order)
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"rank_order must be a permutation of range({n}) (every rank once), got {list(order)}.")
+        self.topology = topology
+        self.rank_order = order
+        """Global ranks in placement order: ``rank_order[i * m + j]`` is local index j of group i."""
+        self.position = order.index(topology.rank)
+        """This rank's place in the layout, ``i * m + j``."""
+        self.group_index, self.local_index = divmod(self.position, m)
+        g = topology.num_groups
+        self.intra_peers = [order[self.group_index * m + p] for p in range(m)]
+        """Global ranks of this rank's group, by local index."""
+        self.rail_peers = [order[q * m + self.local_index] for q in range(g)]
+        """Global ranks of this rank's rail, by group index."""
+
+        # new_group is collective over the default group: every rank creates every group, in the same order.
+        def per_group_and_rail(members_of: Callable[[int], list[int]], count: int, mine: int):
+            chosen = None
+            for c in range(count):
+                grp = dist.new_group(members_of(c))
+                if c == mine:
+                    chosen = grp
+            return chosen
+
+        def intra_of(i: int) -> list[int]:
+            return [order[i * m + p] for p in range(m)]
+
+        def rail_of(j: int) -> list[int]:
+            return [order[q * m + j] for q in range(g)]
+
+        world = dist.new_group(list(range(n)))
+        self.flat = _Phase("flat", world)
+        self.intra_scatter = self.inter_scatter = self.inter_gather = self.intra_gather = None
+        if m > 1:
+            self.intra_scatter = _Phase("intra-scatter", per_group_and_rail(intra_of, g, self.group_index))
+            self.intra_gather = _Phase("intra-gather", per_group_and_rail(intra_of, g, self.group_index))
+        if g > 1:
+            self.inter_scatter = _Phase("inter-scatter", per_group_and_rail(rail_of, m, self.local_index))
+            self.inter_gather = _Phase("inter-gather", per_group_and_rail(rail_of, m, self.local_index))
+
+
+def create_groups(topology: Topology, rank_order: Sequence[int] | None = None) -> HORingGroups:
+    """Create HO-Ring's process groups for ``topology``; collective: every rank must call it, in the same order.
+
+    ``rank_order`` lists the global ranks in placement order, ``rank_order[i * m + j]`` being the rank that plays local
+    index j of group i; the default ``range(n)`` is contiguous placement (``rank = i * m + j``). Pass
+    :func:`rank_order_by_node` when a launcher placed ranks on nodes another way (round-robin, for instance), so that
+    groups are still the ranks that share a node.
+    """
+    return HORingGroups(topology, range(topology.world_size) if rank_order is None else rank_order)
+
+
+def rank_order_by_node(node_id: str | int) -> list[int]:
+    """Global ranks grouped by node: nodes in order of their lowest rank, ranks ascending within a node.
+
+    Collective: every rank passes the id of the node it runs on (a hostname, ``NODE_RANK``...).
+    """
+    ids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, node_id)
+    first_rank: dict = {}
+    for r, node in enumerate(ids):
+        first_rank.setdefault(node, r)
+    return sorted(range(len(ids)), key=lambda r: (first_rank[ids[r]], r))
+
+
+_default_groups: dict[tuple, HORingGroups] = {}
+_default_lock = threading.Lock()
+
+
+def _groups_for(topology: Topology, groups: HORingGroups | None) -> HORingGroups:
+    if groups is not None:
+        if groups.topology != topology:
+            raise ValueError(f"groups were created for {groups.topology}, not for {topology}.")
+        return groups
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call init_process_group before HO-Ring collectives.")
+    key = (id(dist.group.WORLD), topology.world_size, topology.group_size, topology.rank)
+    with _default_lock:
+        if key not in _default_groups:
+            _default_groups[key] = create_groups(topology)
+        return _default_groups[key]
+
+
+# ---------------------------------------------------------------------------------------------------------- exchanges
+def _view(buf: torch.Tensor, offset: int, r: Range) -> torch.Tensor:
+    """Elements ``r`` of a full buffer, stored in ``buf`` starting at full-buffer index ``offset``."""
+    return buf[r[0] - offset:r[1] - offset]
+
+
+def _merged(ranges: list[Range]) -> list[Range]:
+    """Adjacent ranges joined, empty ones dropped: fewer, larger messages."""
+    out: list[Range] = []
+    for a, b in ranges:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _reduce_exchange(group, peers: list[int], me: int, send_ranges: list[list[Range]], src: torch.Tensor,
+                     src_off: int, dst: torch.Tensor, dst_off: int) -> None:
+    """Reduce-scatter by all-to-all: send peer p the ranges ``send_ranges[p]`` of ``src``, receive ``send_ranges[me]``
+    from every peer and write own + received (in peer order) into ``dst``. ``dst`` may be ``src`` (in place)."""
+    mine = send_ranges[me]
+    ops, received = [], []
+    for p, peer in enumerate(peers):
+        if p == me:
+            continue
+        for tag, r in enumerate(send_ranges[p]):
+            if r[1] > r[0]:
+                ops.append(dist.isend(_view(src, src_off, r), peer, group=group, tag=tag))
+    for p, peer in enumerate(peers):
+        if p == me:
+            continue
+        bufs = []
+        for tag, r in enumerate(mine):
+            buf = torch.empty(r[1] - r[0], dtype=src.dtype, device=src.device)
+            if r[1] > r[0]:
+                ops.append(dist.irecv(buf, peer, group=group, tag=tag))
+            bufs.append(buf)
+        received.append(bufs)
+    for op in ops:
+        op.wait()
+    for t, r in enumerate(mine):
+        own, out = _view(src, src_off, r), _view(dst, dst_off, r)
+        if out.data_ptr() != own.data_ptr():
+            out.copy_(own)
+        for bufs in received:
+            out.add_(bufs[t])
+
+
+def _gather_exchange(group, peers: list[int], me: int, ranges: list[list[Range]], buf: torch.Tensor,
+                     off: int) -> None:
+    """All-gather by all-to-all: send ``ranges[me]`` of ``buf`` to every peer, receive ``ranges[p]`` from peer p
+    straight into ``buf``."""
+    ops = []
+    for p, peer in enumerate(peers):
+        if p == me:
+            continue
+        for tag, r in enumerate(ranges[me]):
+            if r[1] > r[0]:
+                ops.append(dist.isend(_view(buf, off, r), peer, group=group, tag=tag))
+        for tag, r in enumerate(ranges[p]):
+            if r[1] > r[0]:
+                ops.append(dist.irecv(_view(buf, off, r), peer, group=group, tag=tag))
+    for op in ops:
+        op.wait()
+
+
+def _size(ranges: list[Range]) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+# ---------------------------------------------------------------------------------------------------------- plans
+def _contiguous_chunks(numel: int, chunk_elems: int, m: int, g: int) -> list[list[list[Range]]]:
+    """All-reduce chunks: consecutive slices of the buffer, each laid out on its own (blocks stay contiguous)."""
+    return [layout_ranges(a, min(a + chunk_elems, numel), m, g) for a in range(0, numel, chunk_elems)]
+
+
+def _layout_chunks(numel: int, piece_elems: int, m: int, g: int) -> list[list[list[Range]]]:
+    """Reduce-scatter / all-gather chunks: chunk k is the k-th piece of every sub-block, so each chunk is a
+    self-contained collective with the same owners as the whole buffer."""
+    full = layout_ranges(0, numel, m, g)
+    longest = max(b - a for blocks in full for a, b in blocks)
+    chunks = []
+    for k in range(math.ceil(longest / piece_elems)):
+        lo = k * piece_elems
+        chunks.append([[(min(a + lo, b), min(a + lo + piece_elems, b)) for a, b in blocks] for blocks in full])
+    return chunks
+
+
+def _flat_1d(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(f"HO-Ring needs a contiguous {what} tensor (it sends views of it): call .contiguous() first.")
+    return tensor.view(-1)
+
+
+def _check_op(op: str) -> None:
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}.")
+
+
+def _record(meter: TrafficMeter | None, op: str, scope: str, nbytes: int) -> None:
+    if meter is not None and nbytes:
+        meter.record(op, scope, nbytes)
+
+
+def _finish(work: HORingWork, async_op: bool) -> HORingWork | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------- collectives
+def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum", async_op: bool = False,
+               config: HORingConfig = DEFAULT_CONFIG, meter: TrafficMeter | None = None,
+               groups: HORingGroups | None = None) -> HORingWork | None:
+    """Reduce ``tensor`` in place over all ranks of ``topology``, hierarchically and overlapped.
+
+    Per chunk of ``config.chunk_bytes``: reduce-scatter inside the group (rank j keeps block j of the chunk), all-reduce
+    of that block over the rail (reduce-scatter to the rank's sub-block, then all-gather), all-gather inside the group.
+    Per rank this sends ``2 (m-1)/m S`` bytes inside the group and ``2 (g-1)/g S/m`` on its rail, so a node's links
+    carry ``2 (g-1)/g S`` instead of a flat ring's ``2 (n-1)/n S``.
+
+    Args:
+        tensor: contiguous, any shape and size (n need not divide it); overwritten with the result.
+        topology: the n = g x m rank layout; every rank passes an equal one (with its own rank).
+        op: ``"sum"``, or ``"avg"`` (the sum divided by n, computed once per element by the rank that owns it).
+        async_op: return an :class:`HORingWork` at once instead of waiting; do not touch ``tensor`` until ``wait()``.
+        config: chunk size and flat threshold; every rank must pass the same.
+        meter: records the bytes this rank sends, as ``("reduce_scatter", "intra")``, ``("all_reduce", "inter")`` and
+            ``("all_gather", "intra")``; a flat fallback is recorded as ``("all_reduce", "inter")``.
+        groups: from :func:`create_groups`; default: contiguous placement, created on first use.
+
+    Returns:
+        The work handle when ``async_op``, else ``None``. Every rank gets the same bits.
+    """
+    _check_op(op)
+    grp = _groups_for(topology, groups)
+    n, m, g = topology.world_size, topology.group_size, topology.num_groups
+    flat = _flat_1d(tensor, "all_reduce")
+    es, numel = flat.element_size(), flat.numel()
+
+    if n == 1 or numel * es < config.flat_below_bytes:
+        _record(meter, "all_reduce", INTER, ring_bytes("all_reduce", numel * es, n))
+
+        def run_flat(_: int) -> None:
+            if n > 1:
+                dist.all_reduce(flat, group=grp.flat.group)
+            if op == "avg" and n > 1:
+                flat.div_(n)
+
+        return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
+
+    i, j = grp.group_index, grp.local_index
+    chunks = _contiguous_chunks(numel, max(1, config.chunk_bytes // es), m, g)
+    stages: list[tuple[_Phase, Callable[[int], None]]] = []
+
+    def divide(k: int) -> None:
+        if op == "avg":
+            _view(flat, 0, chunks[k][j][i]).div_(n)
+
+    if m > 1:
+        def intra_scatter(k: int) -> None:
+            blocks = [_merged(c) for c in chunks[k]]
+            _reduce_exchange(grp.intra_scatter.group, grp.intra_peers, j, blocks, flat, 0, flat, 0)
+            if g == 1:
+                divide(k)
+
+        stages.append((grp.intra_scatter, intra_scatter))
+    if g > 1:
+        def inter_scatter(k: int) -> None:
+            subs = [[r] for r in chunks[k][j]]
+            _reduce_exchange(grp.inter_scatter.group, grp.rail_peers, i, subs, flat, 0, flat, 0)
+            divide(k)
+
+        def inter_gather(k: int) -> None:
+            _gather_exchange(grp.inter_gather.group, grp.rail_peers, i, [[r] for r in chunks[k][j]], flat, 0)
+
+        stages += [(grp.inter_scatter, inter_scatter), (grp.inter_gather, inter_gather)]
+    if m > 1:
+        def intra_gather(k: int) -> None:
+            _gather_exchange(grp.intra_gather.group, grp.intra_peers, j, [_merged(c) for c in chunks[k]], flat, 0)
+
+        stages.append((grp.intra_gather, intra_gather))
+
+    if meter is not None:
+        intra = sum(_size(c[p]) for c in chunks for p in range(m) if p != j)
+        inter = sum(_size([c[j][q]]) for c in chunks for q in range(g) if q != i) + (g - 1) * sum(
+            _size([c[j][i]]) for c in chunks)
+        own_block = sum(_size(c[j]) for c in chunks)
+        _record(meter, "reduce_scatter", INTRA, intra * es)
+        _record(meter, "all_reduce", INTER, inter * es)
+        _record(meter, "all_gather", INTRA, (m - 1) * own_block * es)
+    return _finish(_Job(stages, len(chunks)).start(), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum",
+                   async_op: bool = False, config: HORingConfig = DEFAULT_CONFIG, meter: TrafficMeter | None = None,
+                   groups: HORingGroups | None = None) -> HORingWork | None:
+    """Reduce ``input`` over all ranks and write this rank's shard of the result (:func:`shard_range`) to ``output``.
+
+    Per chunk: an intra-group reduce-scatter into this rank's intra block, then an inter reduce-scatter over the rail
+    into its sub-block; chunk k is the k-th piece of every sub-block, so the two phases of different chunks overlap.
+    Per rank this sends ``(m-1)/m S`` bytes inside the group and ``(g-1)/g S/m`` on its rail, the ideal volumes.
+
+    Args:
+        output: contiguous, ``shard_range(input.numel(), topology)`` long; must not overlap ``input``.
+        input: contiguous, any shape and size, read only.
+        topology: the n = g x m rank layout.
+        op: ``"sum"`` or ``"avg"`` (divided by n).
+        async_op: return an :class:`HORingWork` at once; touch neither tensor until ``wait()``.
+        config: chunk size (bytes of the full buffer per chunk) and flat threshold; the same on every rank.
+        meter: records bytes sent as ``("reduce_scatter", "intra")`` and ``("reduce_scatter", "inter")``; a flat
+            fallback (a one-step all-to-all over the world) as ``("reduce_scatter", "inter")``.
+        groups: from :func:`create_groups`; default: contiguous placement.
+    """
+    _check_op(op)
+    grp = _groups_for(topology, groups)
+    n, m, g = topology.world_size, topology.group_size, topology.num_groups
+    full, out = _flat_1d(input, "input"), _flat_1d(output, "output")
+    es, numel = full.element_size(), full.numel()
+    i, j = grp.group_index, grp.local_index
+    shard = shard_range(numel, topology, grp.position)
+    if out.numel() != shard[1] - shard[0] or out.dtype != full.dtype:
+        raise ValueError(f"output must hold this rank's shard: {shard[1] - shard[0]} elements of {full.dtype}, got "
+                         f"{out.numel()} of {out.dtype}; see shard_range().")
+
+    if n == 1 or numel * es < config.flat_below_bytes:
+        owners = layout_ranges(0, numel, m, g)
+        by_position = [[owners[p % m][p // m]] for p in range(n)]
+        by_rank = [by_position[grp.rank_order.index(r)] for r in range(n)]
+        _record(meter, "reduce_scatter", INTER, sum(_size(by_rank[r]) for r in range(n) if r != topology.rank) * es)
+
+        def run_flat(_: int) -> None:
+            _reduce_exchange(grp.flat.group, list(range(n)), topology.rank, by_rank, full, 0, out, shard[0])
+            if op == "avg" and n > 1:
+                out.div_(n)
+
+        return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
+
+    chunks = _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
+    block = layout_ranges(0, numel, m, g)[j]
+    # Where the intra phase leaves this rank's summed block: a scratch block, the output itself when the rail is
+    # trivial (the block is the shard), or nothing when the group is trivial (the input block is already "summed").
+    if m == 1:
+        work, work_off = full, 0
+    elif g == 1:
+        work, work_off = out, shard[0]
+    else:
+        work, work_off = torch.empty(block[-1][1] - block[0][0], dtype=full.dtype, device=full.device), block[0][0]
+    stages: list[tuple[_Phase, Callable[[int], None]]] = []
+
+    def divide(k: int) -> None:
+        if op == "avg":
+            _view(out, shard[0], chunks[k][j][i]).div_(n)
+
+    if m > 1:
+        def intra_scatter(k: int) -> None:
+            _reduce_exchange(grp.intra_scatter.group, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0,
+                             work, work_off)
+            if g == 1:
+                divide(k)
+
+        stages.append((grp.intra_scatter, intra_scatter))
+    if g > 1:
+        def inter_scatter(k: int) -> None:
+            _reduce_exchange(grp.inter_scatter.group, grp.rail_peers, i, [[r] for r in chunks[k][j]], work, work_off,
+                             out, shard[0])
+            divide(k)
+
+        stages.append((grp.inter_scatter, inter_scatter))
+
+    if meter is not None:
+        intra = sum(_size(c[p]) for c in chunks for p in range(m) if p != j)
+        inter = sum(_size([c[j][q]]) for c in chunks for q in range(g) if q != i)
+        _record(meter, "reduce_scatter", INTRA, intra * es)
+        _record(meter, "reduce_scatter", INTER, inter * es)
+    return _finish(_Job(stages, len(chunks)).start(), async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *, async_op: bool = False,
+               config: HORingConfig = DEFAULT_CONFIG, meter: TrafficMeter | None = None,
+               groups: HORingGroups | None = None) -> HORingWork | None:
+    """Gather every rank's shard into ``output``, each at its layout position (:func:`shard_range`).
+
+    Per chunk: an all-gather over the rail into this rank's intra block, then an all-gather inside the group; the
+    received pieces land in ``output`` directly. Per rank this sends ``(g-1)/g S/m`` bytes on its rail and
+    ``(m-1)/m S`` inside the group.
+
+    Args:
+        output: contiguous, the full buffer (any size); ``input`` may be a view of it at this rank's shard.
+        input: contiguous, this rank's shard, ``shard_range(output.numel(), topology)`` long.
+        topology: the n = g x m rank layout.
+        async_op: return an :class:`HORingWork` at once; touch neither tensor until ``wait()``.
+        config: chunk size and flat threshold; the same on every rank.
+        meter: records bytes sent as ``("all_gather", "inter")`` and ``("all_gather", "intra")``; a flat fallback
+            (every rank sends its shard to every other) as ``("all_gather", "inter")``.
+        groups: from :func:`create_groups`; default: contiguous placement.
+    """
+    grp = _groups_for(topology, groups)
+    n, m, g = topology.world_size, topology.group_size, topology.num_groups
+    full, shard_in = _flat_1d(output, "output"), _flat_1d(input, "input")
+    es, numel = full.element_size(), full.numel()
+    i, j = grp.group_index, grp.local_index
+    shard = shard_range(numel, topology, grp.position)
+    if shard_in.numel() != shard[1] - shard[0] or shard_in.dtype != full.dtype:
+        raise ValueError(f"input must be this rank's shard: {shard[1] - shard[0]} elements of {full.dtype}, got "
+                         f"{shard_in.numel()} of {shard_in.dtype}; see shard_range().")
+    own = _view(full, 0, shard)
+    if own.data_ptr() != shard_in.data_ptr() and own.numel():
+        own.copy_(shard_in)
+
+    if n == 1 or numel * es < config.flat_below_bytes:
+        owners = layout_ranges(0, numel, m, g)
+        by_rank = [[owners[p % m][p // m]] for p in (grp.rank_order.index(r) for r in range(n))]
+        _record(meter, "all_gather", INTER, (n - 1) * _size(by_rank[topology.rank]) * es)
+
+        def run_flat(_: int) -> None:
+            _gather_exchange(grp.flat.group, list(range(n)), topology.rank, by_rank, full, 0)
+
+        return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
+
+    chunks = _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
+    stages: list[tuple[_Phase, Callable[[int], None]]] = []
+    if g > 1:
+        def inter_gather(k: int) -> None:
+            _gather_exchange(grp.inter_gather.group, grp.rail_peers, i, [[r] for r in chunks[k][j]], full, 0)
+
+        stages.append((grp.inter_gather, inter_gather))
+    if m > 1:
+        def intra_gather(k: int) -> None:
+            _gather_exchange(grp.intra_gather.group, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0)
+
+        stages.append((grp.intra_gather, intra_gather))
+
+    if meter is not None:
+        _record(meter, "all_gather", INTER, (g - 1) * sum(_size([c[j][i]]) for c in chunks) * es)
+        _record(meter, "all_gather", INTRA, (m - 1) * sum(_size(c[j]) for c in chunks) * es)
+    return _finish(_Job(stages, len(chunks)).start(), async_op)
