@@ -36,9 +36,11 @@ class Block(nn.Module):
 
 
 class TinyLM(L.LightningModule):
-    def __init__(self, lr: float = 1e-2, freeze_block: int | None = 1, unused: bool = True) -> None:
+    def __init__(self, lr: float = 1e-2, freeze_block: int | None = 1, unused: bool = True,
+                 optimizer: str = "adamw") -> None:
         super().__init__()
         self.lr = lr
+        self.optimizer_name = optimizer
         self.embed = nn.Embedding(VOCAB, DIM)
         self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
@@ -78,8 +80,13 @@ class TinyLM(L.LightningModule):
     def configure_optimizers(self):
         decay = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=self.lr)
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(groups, lr=self.lr * 10, momentum=0.9, nesterov=True)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(groups, lr=self.lr)
+        else:
+            opt = torch.optim.AdamW(groups, lr=self.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -16,12 +16,14 @@ from lightning_paro.strategy.volumes import step_traffic
 
 WORLD, M, ACC, STEPS = 4, 2, 2, 6
 BF16 = ["ddp@bf16-mixed", "IIG@bf16-mixed"]
+# other optimizers and clipping by value: (paro config, ddp config)
+VARIANTS = [("NIG#sgd", "ddp#sgd"), ("GGG#adam", "ddp#adam"), ("IGG%value", "ddp%value"), ("NII#sgd%value", "ddp#sgd%value")]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    launch("parity.py", WORLD, str(out), ",".join(["ddp", *VALID_STRATEGIES, *BF16]), timeout=420)
+    launch("parity.py", WORLD, str(out), ",".join(["ddp", *VALID_STRATEGIES, *BF16, *(c for v in VARIANTS for c in v)]), timeout=420)
 
     def load(spec):
         ranks = [json.loads((out / f"{spec}.{r}.json").read_text()) for r in range(WORLD)]
@@ -42,6 +44,19 @@ def test_matches_ddp(runs, name):
     for k in base_w:
         torch.testing.assert_close(got_w[k], base_w[k], atol=1e-5, rtol=0, msg=f"{name}: {k}")
     assert got[0]["losses"][-1] < got[0]["losses"][0]  # it trained
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("paro,ddp", VARIANTS)
+def test_optimizers_and_value_clipping_match_ddp(runs, paro, ddp):
+    """SGD with Nesterov momentum, Adam, and clipping by value (element-wise on each shard)."""
+    base, base_w = runs(ddp)
+    got, got_w = runs(paro)
+    for r in range(WORLD):
+        assert got[r]["losses"] == pytest.approx(base[r]["losses"], abs=1e-5)
+    for k in base_w:
+        torch.testing.assert_close(got_w[k], base_w[k], atol=1e-5, rtol=0, msg=f"{paro}: {k}")
+    assert runs(paro)[1]["blocks.0.fc1.weight"].sub(runs("ddp")[1]["blocks.0.fc1.weight"]).abs().max() > 1e-4
 
 
 def _expected_traffic(spec: ShardingSpec, flats: list[dict]):

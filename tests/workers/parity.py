@@ -50,13 +50,17 @@ class Probe(L.Callback):
 
 
 for spec in strategies:
-    name, _, precision = spec.partition("@")
+    # NAME[@precision][#optimizer][%clip algorithm]
+    rest, _, clip = spec.partition("%")
+    rest, _, optimizer = rest.partition("#")
+    name, _, precision = rest.partition("@")
     precision = precision or "32-true"
     torch.manual_seed(1234)
-    model = TinyLM()
+    model = TinyLM(optimizer=optimizer or "adamw")
     strategy = "ddp_find_unused_parameters_true" if name == "ddp" else PaROStrategy(sharding=name, group_size=2)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
-                        accumulate_grad_batches=ACC, gradient_clip_val=1.0, precision=precision, logger=False,
+                        accumulate_grad_batches=ACC, gradient_clip_val=1.0 if clip != "value" else 0.05,
+                        gradient_clip_algorithm=clip or "norm", precision=precision, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe := Probe()])
     trainer.fit(model, loader(world * BS * ACC * STEPS))
