@@ -329,6 +329,15 @@ class PaROStrategy(ParallelStrategy):
             self.engine.release()
         return state
 
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if checkpoint.get("optimizer_states"):
+            raise RuntimeError(
+                "Resuming the optimizer state of a PaRO run is not supported in this version: its optimizer states"
+                " are per-rank flat shards. Resume from the weights instead, e.g."
+                " `model = MyModule.load_from_checkpoint(path)` and a fresh `trainer.fit(model)`."
+            )
+
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes of parameters, gradients and optimizer states held by the engine."""
         return self.engine.memory_report() if self.engine is not None else {}
