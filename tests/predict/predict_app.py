@@ -155,7 +155,11 @@ def worker_main(spec: JobSpec) -> None:
 
 
 if __name__ == "__main__":
-    # torchrun entry: python worker_app.py OUTPUT_DIR ROWS
-    spec = JobSpec(output_dir=sys.argv[1], rows=int(sys.argv[2]), step_sleep_s=0.01)
+    # torchrun entry: python predict_app.py OUTPUT_DIR ROWS [CRASH_RANK]
+    # CRASH_RANK, when given, SIGKILLs itself after its second published shard in torchrun's first attempt only.
+    spec = JobSpec(output_dir=sys.argv[1], rows=int(sys.argv[2]), step_sleep_s=0.01, lease_ttl_s=1.0,
+                   worker_name=f"rank{os.environ.get('RANK')}-try{os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
+    if len(sys.argv) > 3 and os.environ.get("RANK") == sys.argv[3] and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        spec.crash_after_publishes = 2
     callback = run_job(spec)
-    print(f"worker rank={os.environ.get('RANK')} committed={callback.run.writer.shards_committed}", flush=True)
+    print(f"worker {spec.worker_name} committed={callback.run.writer.shards_committed}", flush=True)
