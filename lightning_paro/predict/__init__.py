@@ -5,8 +5,10 @@ from lightning_paro.predict.config import ElasticPredictConfig
 from lightning_paro.predict.db import LedgerUnavailableError
 from lightning_paro.predict.ledger import Ledger
 from lightning_paro.predict.manifest import JobIncompleteError
+from lightning_paro.predict.pipeline import PipelineReport, PipelineStage, PipelineStageError, run_pipeline
 from lightning_paro.predict.progress import JobProgress, read_progress
 from lightning_paro.predict.reader import iter_predictions, read_errors, read_predictions
+from lightning_paro.predict.replicas import ReplicaContext, ReplicaFailedError, ReplicaReport, run_replicas
 from lightning_paro.predict.shard_files import OutputNotWritableError
 from lightning_paro.predict.writer import ErrorBudgetExceededError
 
@@ -19,8 +21,16 @@ __all__ = [
     "Ledger",
     "LedgerUnavailableError",
     "OutputNotWritableError",
+    "PipelineReport",
+    "PipelineStage",
+    "PipelineStageError",
+    "ReplicaContext",
+    "ReplicaFailedError",
+    "ReplicaReport",
     "iter_predictions",
     "read_errors",
     "read_predictions",
     "read_progress",
+    "run_pipeline",
+    "run_replicas",
 ]
