@@ -9,8 +9,10 @@ A global collective over n = g groups x m ranks is run as phases over cheaper gr
 where "intra" is among the m ranks of a group (one node: fast links) and "inter" is among the g ranks of a rail (the
 ranks with the same local index; every rail runs at the same time, each on its own slice). The buffer is cut into
 chunks and the phases form a pipeline: while chunk k is on the inter links, chunk k+1 is in its intra reduce-scatter
-and chunk k-1 in its intra all-gather. Each phase has its own worker thread and its own process group, so the phases
-of different chunks are in flight at the same time without racing each other or any other communicator.
+and chunk k-1 in its intra all-gather. Each phase has its own worker thread and its own process groups, so the phases
+of different chunks are in flight at the same time without racing each other or any other communicator. A phase
+has one group per direction (lower rank to higher, and back): gloo serialises the two directions of one connection,
+and an exchange over a single group would use only half of a full-duplex link.
 
 Every phase is built from point-to-point sends of views of the caller's buffers: each rank sends every peer exactly
 the slice that peer owns and sums what it receives (a one-step all-to-all). That moves the ideal volume,
@@ -122,15 +124,22 @@ class _Phase:
     another.
     """
 
-    def __init__(self, name: str, group) -> None:
+    def __init__(self, name: str, new_group: Callable[[], object]) -> None:
         self.name = name
-        self.group = group
+        # Two groups, one per direction: gloo serialises the two directions of one connection, so an exchange over a
+        # single group runs at half the link's duplex rate. Lower rank -> higher rank uses ``up``, the reverse ``down``.
+        self.up = new_group()
+        self.down = new_group()
         self._cv = threading.Condition()
         self._ready: dict[int, tuple[_Job, int, int]] = {}
         self._next_to_run = 0
         self._next_to_reserve = 0
         self._thread = threading.Thread(target=self._loop, name=f"ho-ring-{name}", daemon=True)
         self._thread.start()
+
+    def to(self, me: int, peer: int):
+        """The group that carries messages from global rank ``me`` to ``peer`` (and that ``peer`` receives them on)."""
+        return self.up if me < peer else self.down
 
     def reserve(self, count: int) -> int:
         """Reserve ``count`` consecutive sequence numbers (called while issuing, on the issuing thread)."""
@@ -214,13 +223,15 @@ class HORingGroups:
         """Global ranks of this rank's rail, by group index."""
 
         # new_group is collective over the default group: every rank creates every group, in the same order.
-        def per_group_and_rail(members_of: Callable[[int], list[int]], count: int, mine: int):
-            chosen = None
-            for c in range(count):
-                grp = dist.new_group(members_of(c))
-                if c == mine:
-                    chosen = grp
-            return chosen
+        def per_group_and_rail(members_of: Callable[[int], list[int]], count: int, mine: int) -> Callable[[], object]:
+            def create():
+                chosen = None
+                for c in range(count):
+                    grp = dist.new_group(members_of(c))
+                    if c == mine:
+                        chosen = grp
+                return chosen
+            return create
 
         def intra_of(i: int) -> list[int]:
             return [order[i * m + p] for p in range(m)]
@@ -228,8 +239,9 @@ class HORingGroups:
         def rail_of(j: int) -> list[int]:
             return [order[q * m + j] for q in range(g)]
 
-        world = dist.new_group(list(range(n)))
-        self.flat = _Phase("flat", world)
+        self.world = dist.new_group(list(range(n)))
+        """A private world group for the flat all-reduce (gloo's ring)."""
+        self.flat = _Phase("flat", lambda: dist.new_group(list(range(n))))
         self.intra_scatter = self.inter_scatter = self.inter_gather = self.intra_gather = None
         if m > 1:
             self.intra_scatter = _Phase("intra-scatter", per_group_and_rail(intra_of, g, self.group_index))
@@ -300,7 +312,7 @@ def _merged(ranges: list[Range]) -> list[Range]:
     return out
 
 
-def _reduce_exchange(group, peers: list[int], me: int, send_ranges: list[list[Range]], src: torch.Tensor,
+def _reduce_exchange(phase: _Phase, peers: list[int], me: int, send_ranges: list[list[Range]], src: torch.Tensor,
                      src_off: int, dst: torch.Tensor, dst_off: int) -> None:
     """Reduce-scatter by all-to-all: send peer p the ranges ``send_ranges[p]`` of ``src``, receive ``send_ranges[me]``
     from every peer and write own + received (in peer order) into ``dst``. ``dst`` may be ``src`` (in place)."""
@@ -311,7 +323,7 @@ def _reduce_exchange(group, peers: list[int], me: int, send_ranges: list[list[Ra
             continue
         for tag, r in enumerate(send_ranges[p]):
             if r[1] > r[0]:
-                ops.append(dist.isend(_view(src, src_off, r), peer, group=group, tag=tag))
+                ops.append(dist.isend(_view(src, src_off, r), peer, group=phase.to(peers[me], peer), tag=tag))
     for p, peer in enumerate(peers):
         if p == me:
             continue
@@ -319,7 +331,7 @@ def _reduce_exchange(group, peers: list[int], me: int, send_ranges: list[list[Ra
         for tag, r in enumerate(mine):
             buf = torch.empty(r[1] - r[0], dtype=src.dtype, device=src.device)
             if r[1] > r[0]:
-                ops.append(dist.irecv(buf, peer, group=group, tag=tag))
+                ops.append(dist.irecv(buf, peer, group=phase.to(peer, peers[me]), tag=tag))
             bufs.append(buf)
         received.append(bufs)
     for op in ops:
@@ -332,7 +344,7 @@ def _reduce_exchange(group, peers: list[int], me: int, send_ranges: list[list[Ra
             out.add_(bufs[t])
 
 
-def _gather_exchange(group, peers: list[int], me: int, ranges: list[list[Range]], buf: torch.Tensor,
+def _gather_exchange(phase: _Phase, peers: list[int], me: int, ranges: list[list[Range]], buf: torch.Tensor,
                      off: int) -> None:
     """All-gather by all-to-all: send ``ranges[me]`` of ``buf`` to every peer, receive ``ranges[p]`` from peer p
     straight into ``buf``."""
@@ -342,10 +354,10 @@ def _gather_exchange(group, peers: list[int], me: int, ranges: list[list[Range]]
             continue
         for tag, r in enumerate(ranges[me]):
             if r[1] > r[0]:
-                ops.append(dist.isend(_view(buf, off, r), peer, group=group, tag=tag))
+                ops.append(dist.isend(_view(buf, off, r), peer, group=phase.to(peers[me], peer), tag=tag))
         for tag, r in enumerate(ranges[p]):
             if r[1] > r[0]:
-                ops.append(dist.irecv(_view(buf, off, r), peer, group=group, tag=tag))
+                ops.append(dist.irecv(_view(buf, off, r), peer, group=phase.to(peer, peers[me]), tag=tag))
     for op in ops:
         op.wait()
 
@@ -430,7 +442,7 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
 
         def run_flat(_: int) -> None:
             if n > 1:
-                dist.all_reduce(flat, group=grp.flat.group)
+                dist.all_reduce(flat, group=grp.world)
             if op == "avg" and n > 1:
                 flat.div_(n)
 
@@ -447,7 +459,7 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
     if m > 1:
         def intra_scatter(k: int) -> None:
             blocks = [_merged(c) for c in chunks[k]]
-            _reduce_exchange(grp.intra_scatter.group, grp.intra_peers, j, blocks, flat, 0, flat, 0)
+            _reduce_exchange(grp.intra_scatter, grp.intra_peers, j, blocks, flat, 0, flat, 0)
             if g == 1:
                 divide(k)
 
@@ -455,16 +467,16 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
     if g > 1:
         def inter_scatter(k: int) -> None:
             subs = [[r] for r in chunks[k][j]]
-            _reduce_exchange(grp.inter_scatter.group, grp.rail_peers, i, subs, flat, 0, flat, 0)
+            _reduce_exchange(grp.inter_scatter, grp.rail_peers, i, subs, flat, 0, flat, 0)
             divide(k)
 
         def inter_gather(k: int) -> None:
-            _gather_exchange(grp.inter_gather.group, grp.rail_peers, i, [[r] for r in chunks[k][j]], flat, 0)
+            _gather_exchange(grp.inter_gather, grp.rail_peers, i, [[r] for r in chunks[k][j]], flat, 0)
 
         stages += [(grp.inter_scatter, inter_scatter), (grp.inter_gather, inter_gather)]
     if m > 1:
         def intra_gather(k: int) -> None:
-            _gather_exchange(grp.intra_gather.group, grp.intra_peers, j, [_merged(c) for c in chunks[k]], flat, 0)
+            _gather_exchange(grp.intra_gather, grp.intra_peers, j, [_merged(c) for c in chunks[k]], flat, 0)
 
         stages.append((grp.intra_gather, intra_gather))
 
@@ -517,7 +529,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         _record(meter, "reduce_scatter", INTER, sum(_size(by_rank[r]) for r in range(n) if r != topology.rank) * es)
 
         def run_flat(_: int) -> None:
-            _reduce_exchange(grp.flat.group, list(range(n)), topology.rank, by_rank, full, 0, out, shard[0])
+            _reduce_exchange(grp.flat, list(range(n)), topology.rank, by_rank, full, 0, out, shard[0])
             if op == "avg" and n > 1:
                 out.div_(n)
 
@@ -541,7 +553,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
 
     if m > 1:
         def intra_scatter(k: int) -> None:
-            _reduce_exchange(grp.intra_scatter.group, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0,
+            _reduce_exchange(grp.intra_scatter, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0,
                              work, work_off)
             if g == 1:
                 divide(k)
@@ -549,7 +561,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         stages.append((grp.intra_scatter, intra_scatter))
     if g > 1:
         def inter_scatter(k: int) -> None:
-            _reduce_exchange(grp.inter_scatter.group, grp.rail_peers, i, [[r] for r in chunks[k][j]], work, work_off,
+            _reduce_exchange(grp.inter_scatter, grp.rail_peers, i, [[r] for r in chunks[k][j]], work, work_off,
                              out, shard[0])
             divide(k)
 
@@ -601,7 +613,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
         _record(meter, "all_gather", INTER, (n - 1) * _size(by_rank[topology.rank]) * es)
 
         def run_flat(_: int) -> None:
-            _gather_exchange(grp.flat.group, list(range(n)), topology.rank, by_rank, full, 0)
+            _gather_exchange(grp.flat, list(range(n)), topology.rank, by_rank, full, 0)
 
         return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
 
@@ -609,12 +621,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
     stages: list[tuple[_Phase, Callable[[int], None]]] = []
     if g > 1:
         def inter_gather(k: int) -> None:
-            _gather_exchange(grp.inter_gather.group, grp.rail_peers, i, [[r] for r in chunks[k][j]], full, 0)
+            _gather_exchange(grp.inter_gather, grp.rail_peers, i, [[r] for r in chunks[k][j]], full, 0)
 
         stages.append((grp.inter_gather, inter_gather))
     if m > 1:
         def intra_gather(k: int) -> None:
-            _gather_exchange(grp.intra_gather.group, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0)
+            _gather_exchange(grp.intra_gather, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0)
 
         stages.append((grp.intra_gather, intra_gather))
 
