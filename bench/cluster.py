@@ -7,8 +7,12 @@ veth is shaped with a ``tc`` token bucket in both directions, so it behaves like
 Two NIC models:
 
 * ``node``: one NIC per node, shared by all its ranks.
-* ``rank``: one NIC per rank ("rail-optimized"): a node has one interface per local rank, each rank binds its own
-  (``GLOO_SOCKET_IFNAME``), and policy routing by source address (``ip rule from ADDR``) sends its traffic out of it.
+* ``rank``: one NIC per rank ("rail-optimized"): a node has one interface per local index j, each rank binds its own
+  (``GLOO_SOCKET_IFNAME``), and NIC j of every node is in the subnet of rail j. Traffic is routed by destination: a
+  message to a rank on rail j leaves the node by NIC j, as on a rail-optimized fabric where cross-rail traffic is
+  first moved inside the node to the destination's rail (NCCL's PXN does this). Routing by source address
+  (``ip rule from ADDR``) does not work here: gloo binds the listening socket to the interface but not the sockets it
+  connects from, so half of a rank's connections would carry a source address the rule never sees.
 
 Usage as a script (root, iproute2)::
 
@@ -52,7 +56,7 @@ class ClusterConfig:
     prefix: str = "hor"
     """Namespace name prefix; namespaces with this prefix are removed before and after a run."""
     subnet: str = "10.213"
-    """First two octets of the private /16 the cluster's addresses come from (they exist only inside its namespaces)."""
+    """First two octets of the private addresses (``.<nic+1>.<node+1>``; they exist only inside the namespaces)."""
     burst_bytes: int = 256 * 1024
     """Token-bucket burst; at least 64 KiB or the shaped rate falls well below the set rate."""
     queue_ms: float = 10.0
@@ -189,7 +193,7 @@ class Cluster:
             # Without lo up, connecting to the node's own address (same-node ranks) hangs silently.
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             if c.nic == "rank":
-                # Several interfaces in one subnet: answer ARP only on the interface that owns the address, and
+                # Several interfaces on one bridge: answer ARP only on the interface that owns the address, and
                 # accept packets whichever interface they arrive on.
                 for key, value in (("arp_ignore", "1"), ("arp_announce", "2"), ("rp_filter", "0")):
                     for scope in ("all", "default"):
@@ -199,16 +203,12 @@ class Cluster:
                 _run("ip", "-n", sw, "link", "add", outer, "mtu", str(c.mtu), "type", "veth", "peer", "name", inner,
                      "mtu", str(c.mtu), "netns", ns)
                 _run("ip", "-n", sw, "link", "set", outer, "master", "br0", "up")
-                _run("ip", "-n", ns, "addr", "add", f"{addr}/16", "dev", inner)
+                # One /24 per rail (NIC index): the destination's rail picks the interface a message leaves by.
+                _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
                 _run("ip", "-n", ns, "link", "set", inner, "up")
                 # Shape both directions: node -> switch on the inner end, switch -> node on the outer end.
                 self._shape(ns, inner)
                 self._shape(sw, outer)
-                if c.nic == "rank":
-                    table = str(100 + nic)
-                    _run("ip", "-n", ns, "rule", "add", "from", addr, "table", table)
-                    _run("ip", "-n", ns, "route", "add", f"{c.subnet}.0.0/16", "dev", inner, "src", addr,
-                         "table", table)
 
     def _shape(self, ns: str, dev: str) -> None:
         c = self.config
