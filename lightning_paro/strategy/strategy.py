@@ -399,6 +399,9 @@ class PaROStrategy(ParallelStrategy):
                 # Hand the user back a plain module with full weights, as after "ddp".
                 self.engine.restore_module()
             self.engine = None
+        if self._comm is not None and not self._failed:
+            self._comm.close()  # the next stage (e.g. predict after fit) starts a new thread over the same groups
+            self._comm = None
         self._failed = False
         super().teardown()
 
