@@ -53,7 +53,7 @@ MiB = 1024 * KiB
 class HORingConfig:
     """How HO-Ring cuts a collective into chunks, and when it falls back to a flat one."""
 
-    chunk_bytes: int = 4 * MiB
+    chunk_bytes: int = 2 * MiB
     """Bytes of the full buffer per pipeline chunk: smaller overlaps better, larger pays less per-message overhead."""
     flat_below_bytes: int = 1 * MiB
     """Buffers smaller than this use one flat collective over the world (one latency step instead of four phases)."""
