@@ -205,6 +205,8 @@ def _check_strategy(cfg: Config) -> None:
                 f"{s.sharding!r} is not a PaRO strategy; use one of {', '.join(VALID_STRATEGIES)}"
                 " (letters for parameters, gradients, optimizer states; optimizer states at least as sharded)",
             )
+        if s.state_dict_type not in ("full", "sharded"):
+            raise ConfigError("strategy.state_dict_type", f"{s.state_dict_type!r} is not full or sharded")
         if s.prefetch < 0:
             raise ConfigError("strategy.prefetch", f"{s.prefetch} must be 0 (no prefetch) or more")
         if not (s.units == "auto" or (isinstance(s.units, list) and s.units and all(isinstance(u, str) for u in s.units))):

@@ -37,6 +37,8 @@ class ParoStrategyConfig:
     """Units gathered ahead of the one computing (0: no prefetch)."""
     log_traffic: bool = True
     """Log paro/intra_bytes and paro/inter_bytes per optimizer step to the Trainer's loggers."""
+    state_dict_type: str = "full"
+    """Checkpoints as one consolidated file (full) or a directory of per-rank shards (sharded, where supported)."""
     start_method: str = "popen"
     """How the processes start: popen (Lightning's subprocess launcher), spawn, fork or forkserver."""
     process_group_backend: Optional[str] = None

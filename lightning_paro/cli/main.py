@@ -1,0 +1,137 @@
+"""``python -m lightning_paro fit|predict|bench [KEY=VALUE ...] [-m] [--cfg] [--config-dir DIR]``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from lightning_paro.cli.compose import check_launch_environment, default_config_dir, load_config
+from lightning_paro.cli.schema import ConfigError
+
+PROG = "lightning-paro"
+COMMAND_HELP = {
+    "fit": "train, save run.dir/weights.ckpt, print the strategy's traffic and memory summary",
+    "predict": "score the held-out files with that checkpoint; per-file bits per byte to Parquet",
+    "bench": "tokens per second of a few training steps with the configured strategy",
+}
+USAGE = f"usage: {PROG} {{{','.join(COMMAND_HELP)}}} [KEY=VALUE ...] [-m|--multirun] [--cfg] [--config-dir DIR]"
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """A parsed command line."""
+
+    command: Optional[str]
+    """fit, predict or bench (None with --help)."""
+    overrides: tuple[str, ...]
+    """Hydra overrides, in order."""
+    multirun: bool = False
+    """-m/--multirun: run one job per combination of the comma-separated values."""
+    print_config: bool = False
+    """--cfg: print the composed config and exit."""
+    config_dir: Optional[Path] = None
+    """--config-dir: the config tree to compose (default: the project's conf/)."""
+    help: bool = False
+    """-h/--help."""
+
+
+def parse_args(argv: Sequence[str]) -> Invocation:
+    """Split the command line; anything that is not a flag is a Hydra override."""
+    command, overrides, flags = None, [], {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-h", "--help"):
+            flags["help"] = True
+        elif arg in ("-m", "--multirun"):
+            flags["multirun"] = True
+        elif arg in ("--cfg", "-c"):
+            flags["print_config"] = True
+            if i + 1 < len(args) and args[i + 1] == "job":  # Hydra's spelling, `--cfg job`, is accepted too
+                i += 1
+        elif arg == "--config-dir" or arg.startswith("--config-dir="):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise ConfigError("--config-dir", "needs a directory")
+            flags["config_dir"] = Path(value).expanduser().resolve()
+        elif arg.startswith("-"):
+            raise ConfigError(arg, f"unknown option; {USAGE}")
+        elif command is None and "=" not in arg:
+            if arg not in COMMAND_HELP:
+                raise ConfigError("command", f"{arg!r} is not a command; use one of {', '.join(COMMAND_HELP)}")
+            command = arg
+        else:
+            overrides.append(arg)
+        i += 1
+    if command is None and not flags.get("help"):
+        raise ConfigError("command", f"missing; use one of {', '.join(COMMAND_HELP)} ({USAGE})")
+    return Invocation(command, tuple(overrides), **flags)
+
+
+def help_text(config_dir: Optional[Path]) -> str:
+    directory = config_dir or default_config_dir()
+    lines = [USAGE, "", "commands:"]
+    lines += [f"  {name:8s} {text}" for name, text in COMMAND_HELP.items()]
+    lines += ["", f"config groups ({directory}):"]
+    for group in sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
+        options = ", ".join(sorted(p.stem for p in group.glob("*.yaml")))
+        lines.append(f"  {group.name + '=':10s} {options}")
+    lines += [
+        "",
+        "examples:",
+        f"  {PROG} fit strategy=paro strategy.sharding=IIG strategy.group_size=2 trainer=cpu4",
+        f"  {PROG} predict                     # scores held-out files with run.dir/weights.ckpt",
+        f"  {PROG} bench -m strategy=paro_nig,paro_ggg,ddp,fsdp2 trainer=cpu4",
+        f"  {PROG} fit --cfg job               # print the composed config",
+        "every key: docs/config.md",
+    ]
+    return "\n".join(lines)
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run(invocation: Invocation) -> int:
+    """Execute a parsed command line; returns the exit code."""
+    if invocation.help:
+        print(help_text(invocation.config_dir))
+        return 0
+    assert invocation.command is not None
+    if invocation.multirun:
+        if _under_torchrun():
+            raise ConfigError("-m", "a sweep starts its own processes per job; under torchrun run one job per"
+                                    " torchrun call (drop -m and give each job's values)")
+        from lightning_paro.cli.sweep import run_sweep
+
+        return run_sweep(invocation.command, invocation.overrides, invocation.config_dir)
+    cfg = load_config(invocation.overrides, invocation.config_dir)
+    if invocation.print_config:
+        print(OmegaConf.to_yaml(OmegaConf.structured(dataclasses.asdict(cfg))), end="")
+        return 0
+    if invocation.command in ("fit", "bench"):
+        check_launch_environment(cfg)
+    from lightning_paro.cli.commands import COMMANDS
+
+    COMMANDS[invocation.command](cfg)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``lightning-paro`` and ``python -m lightning_paro``: exit code 2 with one line on config errors."""
+    try:
+        return run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
