@@ -210,7 +210,9 @@ def table(results: list[dict]) -> str:
         flat = {(r["collective"], r["size_mib"]): r["time_s"] for r in res["rows"] if r["impl"] == "flat"}
         for r in res["rows"]:
             base = flat.get((r["collective"], r["size_mib"]))
-            lines.append(f"| {res['scenario']['name']} | {r['collective']} | {r['size_mib']} | {r['impl']} | "
+            impl = r["impl"] + (f" (chunk {res['chunk_mib']} MiB)" if res.get("chunk_mib") and r["impl"] == "ho-ring"
+                                else "")
+            lines.append(f"| {res['scenario']['name']} | {r['collective']} | {r['size_mib']} | {impl} | "
                          f"{r['time_s']:.3f} ({r['time_min_s']:.3f}-{r['time_max_s']:.3f}) | {r['algbw_MBps']:.1f} | "
                          f"{r['busbw_MBps']:.1f} | {r['link_limit_s']:.3f} | {r['link_fraction']:.2f} | "
                          f"{r['busiest_nic_MiB']:.1f} | {speedup(base, r['time_s'])} |")
@@ -257,20 +259,23 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--summarise", action="store_true", help="only rebuild summary.md and the plot from --out")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.scenario or list(SCENARIOS):
+    for name in [] if args.summarise else args.scenario or list(SCENARIOS):
         res = run_scenario(SCENARIOS[name], args)
         (args.out / f"{name}{args.tag}.json").write_text(json.dumps(res, indent=1))
         print(table([res]), flush=True)
-    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
+    results = sorted((json.loads(p.read_text()) for p in args.out.glob("*.json")),
+                     key=lambda r: (r["scenario"]["name"], r.get("chunk_mib") or 0))
     (args.out / "summary.md").write_text(
         "# Collective benchmark results\n\nMedians of the repetitions on the emulated cluster (bench/cluster.py); "
         "measured on a 2-core machine shared with other jobs, so times are noisy.\n\n" + table(results) + "\n")
-    plot(results, args.out / "collectives.png")
+    if len({r["scenario"]["name"] for r in results}) == len(results):  # one result per scenario: a size sweep
+        plot(results, args.out / "collectives.png")
 
 
 if __name__ == "__main__":
