@@ -150,12 +150,16 @@ def worker(args: argparse.Namespace) -> None:
                                                                      groups=groups)}[coll]
                 timed(call)  # warm-up: connections, allocations
                 before = gathered(nic_bytes())
+                cpu0 = time.process_time()  # all threads of this rank, gloo's included
                 times = [timed(call) for _ in range(args.reps)]
+                cpu = torch.tensor(time.process_time() - cpu0, dtype=torch.float64)
+                dist.all_reduce(cpu)
                 after = gathered(nic_bytes())
                 sent = {k: (after[k] - before[k]) / args.reps for k in after}
                 if rank == 0:
                     print("BENCH " + json.dumps({"collective": coll, "impl": impl, "size_mib": size_mib,
-                                                 "times": times, "nic_bytes_per_run": sent}), flush=True)
+                                                 "times": times, "nic_bytes_per_run": sent,
+                                                 "cpu_s_per_run": cpu.item() / args.reps}), flush=True)
     if comm is not None:
         comm.close()
     dist.barrier()
@@ -173,7 +177,9 @@ def summarise(sc: Scenario, raw: dict) -> dict:
     return {**raw, "time_s": t, "time_min_s": min(raw["times"]), "time_max_s": max(raw["times"]),
             "algbw_MBps": nbytes / t / 1e6, "busbw_MBps": nbytes / t / 1e6 * busbw_factor(raw["collective"], n),
             "link_limit_s": limit_bytes / rate, "link_fraction": limit_bytes / rate / t,
-            "busiest_nic_MiB": busiest / MiB, "busiest_nic_utilisation": busiest / t / rate}
+            "busiest_nic_MiB": busiest / MiB, "busiest_nic_utilisation": busiest / t / rate,
+            # CPU seconds of all ranks per second of the collective: near the machine's core count = CPU-bound.
+            "cores_busy": raw["cpu_s_per_run"] / statistics.mean(raw["times"]) if "cpu_s_per_run" in raw else None}
 
 
 def run_scenario(sc: Scenario, args: argparse.Namespace) -> dict:
@@ -198,14 +204,18 @@ def run_scenario(sc: Scenario, args: argparse.Namespace) -> dict:
             "machine": f"{os.cpu_count()} CPU cores, shared with other jobs (timings are noisy)"}
 
 
+def cores(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
 def speedup(base: float | None, t: float) -> str:
     return f"{base / t:.2f}x" if base else "—"
 
 
 def table(results: list[dict]) -> str:
     lines = ["| scenario | collective | MiB | impl | time s (min-max) | algbw MB/s | busbw MB/s | link limit s | "
-             "fraction of link limit | busiest NIC MiB | vs flat |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fraction of link limit | busiest NIC MiB | cores busy | vs flat |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         flat = {(r["collective"], r["size_mib"]): r["time_s"] for r in res["rows"] if r["impl"] == "flat"}
         for r in res["rows"]:
@@ -215,7 +225,7 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {res['scenario']['name']} | {r['collective']} | {r['size_mib']} | {impl} | "
                          f"{r['time_s']:.3f} ({r['time_min_s']:.3f}-{r['time_max_s']:.3f}) | {r['algbw_MBps']:.1f} | "
                          f"{r['busbw_MBps']:.1f} | {r['link_limit_s']:.3f} | {r['link_fraction']:.2f} | "
-                         f"{r['busiest_nic_MiB']:.1f} | {speedup(base, r['time_s'])} |")
+                         f"{r['busiest_nic_MiB']:.1f} | {cores(r.get('cores_busy'))} | {speedup(base, r['time_s'])} |")
     return "\n".join(lines)
 
 

@@ -130,12 +130,21 @@ class _Phase:
         # single group runs at half the link's duplex rate. Lower rank -> higher rank uses ``up``, the reverse ``down``.
         self.up = new_group()
         self.down = new_group()
+        self._scratch: dict = {}
         self._cv = threading.Condition()
         self._ready: dict[int, tuple[_Job, int, int]] = {}
         self._next_to_run = 0
         self._next_to_reserve = 0
         self._thread = threading.Thread(target=self._loop, name=f"ho-ring-{name}", daemon=True)
         self._thread.start()
+
+    def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A reusable buffer of at least ``numel`` elements of ``like``'s dtype; valid until this phase's next task."""
+        buf = self._scratch.get((like.dtype, like.device))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._scratch[(like.dtype, like.device)] = buf
+        return buf
 
     def to(self, me: int, peer: int):
         """The group that carries messages from global rank ``me`` to ``peer`` (and that ``peer`` receives them on)."""
@@ -324,12 +333,17 @@ def _reduce_exchange(phase: _Phase, peers: list[int], me: int, send_ranges: list
         for tag, r in enumerate(send_ranges[p]):
             if r[1] > r[0]:
                 ops.append(dist.isend(_view(src, src_off, r), peer, group=phase.to(peers[me], peer), tag=tag))
+    # Receive buffers come from the phase's scratch: a phase runs one exchange at a time, and fresh buffers would cost
+    # a page fault per page on every chunk.
+    scratch = phase.scratch((len(peers) - 1) * _size(mine), src)
+    used = 0
     for p, peer in enumerate(peers):
         if p == me:
             continue
         bufs = []
         for tag, r in enumerate(mine):
-            buf = torch.empty(r[1] - r[0], dtype=src.dtype, device=src.device)
+            buf = scratch[used:used + r[1] - r[0]]
+            used += r[1] - r[0]
             if r[1] > r[0]:
                 ops.append(dist.irecv(buf, peer, group=phase.to(peer, peers[me]), tag=tag))
             bufs.append(buf)

@@ -22,7 +22,7 @@ round_robin_m = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Sizes: a single element, fewer elements than ranks, not divisible by n, and large enough for many chunks.
-SIZES = [1, 5, 3 * n + 1, 4099, 20_011]
+SIZES = [1, 5, 3 * n + 1, 12_007]
 # Many small chunks and no flat fallback, so every size runs the pipeline; plus the defaults (small sizes go flat).
 PIPELINED = ho_ring.HORingConfig(chunk_bytes=4096, flat_below_bytes=0)
 CONFIGS = {"pipelined": PIPELINED, "default": ho_ring.DEFAULT_CONFIG}
@@ -95,9 +95,10 @@ def run_layout(m: int, groups=None, tag: str = "") -> None:
                     compare(f"all_gather/sync/{case}", got, full)
 
     # Async: many collectives of all three kinds in flight at once, waited for at the end. Their phases interleave,
-    # so this also checks that every phase runs them in the same order on every rank.
+    # so this also checks that every phase runs them in the same order on every rank. (The flat fallback of the
+    # default configuration is a single task; the sync cases cover it.)
     pending = []
-    for cfg_name, cfg in CONFIGS.items():
+    for cfg_name, cfg in [("pipelined", PIPELINED)]:
         for dname, dtype in DTYPES.items():
             for op in ("sum", "avg"):
                 for numel in SIZES_FOR[cfg_name]:
@@ -121,7 +122,7 @@ def run_layout(m: int, groups=None, tag: str = "") -> None:
 
     # Real-valued data: every rank must end with the same bits (replicas must not drift), close to the flat sum.
     gen = torch.Generator().manual_seed(7 + rank)
-    x = torch.randn(20_011, generator=gen)
+    x = torch.randn(12_007, generator=gen)
     want = flat_all_reduce(x, "sum")
     ho_ring.all_reduce(x, topo, config=PIPELINED, groups=grp)
     copies = [torch.empty_like(x) for _ in range(n)]
