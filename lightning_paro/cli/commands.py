@@ -100,7 +100,7 @@ def fit(cfg: Config) -> None:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg)
-    train, val = train_loaders(cfg.data, cfg.model.seq_len, cfg.run.seed)
+    train, val = train_loaders(cfg.data, cfg.model.seq_len)
     trainer = build_trainer(cfg, callbacks=[FitReport(cfg)], logger=CSVLogger(str(run_dir), name="logs"))
     trainer.fit(model, train, val)
     ckpt = run_dir / WEIGHTS_FILE
@@ -222,7 +222,7 @@ class StepTimer(L.Callback):
 def bench(cfg: Config) -> None:
     """Train bench.warmup_steps + bench.steps optimizer steps and report the timed steps' tokens per second."""
     model = build_model(cfg)
-    train, _ = train_loaders(cfg.data, cfg.model.seq_len, cfg.run.seed)
+    train, _ = train_loaders(cfg.data, cfg.model.seq_len)
     trainer = build_trainer(cfg, callbacks=[StepTimer(cfg)], max_steps=cfg.bench.warmup_steps + cfg.bench.steps,
                             validate=False)
     trainer.fit(model, train)

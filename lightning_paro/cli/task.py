@@ -70,12 +70,12 @@ def split_files(data: StdlibDataConfig) -> tuple[list[Path], list[Path]]:
     return train, stdlib_files(data.held_out_bytes, skip=len(train))
 
 
-def train_loaders(data: StdlibDataConfig, seq_len: int, seed: int) -> tuple[DataLoader, DataLoader]:
-    """(training, validation) loaders of byte windows; shuffled with ``seed`` so every rank draws the same order."""
+def train_loaders(data: StdlibDataConfig, seq_len: int) -> tuple[DataLoader, DataLoader]:
+    """(training, validation) loaders of byte windows. The shuffle order follows the seed set by seed_everything
+    (Lightning's distributed sampler reads it too); no torch.Generator here, as one cannot be pickled for spawn."""
     train_files, held_out = split_files(data)
-    generator = torch.Generator().manual_seed(seed)
     train = DataLoader(ByteChunks(train_files, seq_len), batch_size=data.batch_size, shuffle=True,
-                       num_workers=data.num_workers, generator=generator)
+                       num_workers=data.num_workers)
     val = DataLoader(ByteChunks(held_out, seq_len), batch_size=data.val_batch_size, num_workers=data.num_workers)
     return train, val
 
@@ -85,6 +85,7 @@ class FileBytes(Dataset):
 
     def __init__(self, files: list[Path], seq_len: int, max_bytes: int) -> None:
         self.files = files
+        self.max_bytes = max_bytes
         self.windows = max(1, math.ceil((max_bytes - 1) / seq_len))
         self.size = self.windows * seq_len + 1
         self.root = Path(sysconfig.get_paths()["stdlib"])
@@ -94,7 +95,7 @@ class FileBytes(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         path = self.files[index]
-        data = path.read_bytes()[: self.size]
+        data = path.read_bytes()[: self.max_bytes]
         tokens = torch.zeros(self.size, dtype=torch.long)
         tokens[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else tokens[:0]
         name = str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)

@@ -1,0 +1,122 @@
+"""The command line as users run it: fit -> checkpoint -> predict on a tiny config under Lightning's subprocess
+launcher, a multirun sweep, bench with the spawn start method, fit under torchrun, and config errors from the real
+entry point. Every run starts in a fresh working directory with a relative run.dir."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli.procs import free_port, run_cli
+from lightning_paro.cli.compose import load_config
+from lightning_paro.cli.task import FileBytes, GPTTask, split_files
+from lightning_paro.predict import read_predictions
+
+TINY = ["model=gpt_tiny", "data=stdlib_tiny", "trainer=tiny"]
+
+
+@pytest.mark.timeout(240)
+def test_fit_checkpoint_predict(tmp_path):
+    fit = run_cli(["fit", *TINY, "strategy=paro", "strategy.sharding=IIG", "run.name=e2e"], tmp_path, timeout=220)
+    assert fit.returncode == 0, fit.describe()
+    run_dir = tmp_path / "runs" / "e2e"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == "paro IIG" and summary["world_size"] == 2 and summary["optimizer_steps"] == 4
+    losses = summary["loss_per_step_rank0"]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert summary["val_bits_per_byte"] is not None and 0 < summary["val_bits_per_byte"] < 12
+    # one group of 2 ranks: IIG moves bytes inside the group only
+    assert summary["intra_bytes_per_step"] > 0 and summary["inter_bytes_per_step"] == 0
+    assert "PaRO strategy IIG" in fit.stdout and "model states on this rank" in fit.stdout
+    ckpt = run_dir / "weights.ckpt"
+    assert ckpt.is_file() and str(ckpt) in fit.stdout
+    assert (run_dir / "logs" / "version_0" / "metrics.csv").is_file()
+
+    cfg = load_config([*TINY, "run.name=e2e"], cwd=tmp_path)
+    state = torch.load(ckpt, weights_only=True)
+    assert "optimizer_states" not in state  # a weights checkpoint
+    model = GPTTask(cfg.model)
+    model.load_state_dict(state["state_dict"])  # strict: every key of the model, nothing else
+
+    pred = run_cli(["predict", *TINY, "run.name=e2e"], tmp_path, timeout=200)
+    assert pred.returncode == 0, pred.describe()
+    table = read_predictions(run_dir / "predictions").to_pylist()
+    _, held_out = split_files(cfg.data)
+    files = FileBytes(held_out, cfg.model.seq_len, cfg.predict.max_bytes_per_file)
+    assert [row["path"] for row in table] == [files[i]["path"] for i in range(len(files))]
+    assert len(table) >= 2
+    # the scores are the checkpoint's: recompute two files in this process
+    model.eval()
+    with torch.no_grad():
+        for i in (0, len(files) - 1):
+            batch = torch.utils.data.default_collate([files[i]])
+            expected = model.predict_step(batch)
+            assert table[i]["bits_per_byte"] == pytest.approx(expected["bits_per_byte"].item(), rel=1e-5)
+            assert table[i]["bytes_scored"] == expected["bytes_scored"].item() == min(
+                cfg.predict.max_bytes_per_file, held_out[i].stat().st_size) - 1
+    assert f"scored {len(table)} held-out files" in pred.stdout
+
+
+@pytest.mark.timeout(240)
+def test_multirun_sweep_runs_each_job_once_with_its_own_ranks(tmp_path):
+    sweep = run_cli(["fit", "-m", *TINY, "strategy.sharding=NIG,GGG", "trainer.limit_val_batches=0",
+                     "run.name=sweep"], tmp_path, timeout=220)
+    assert sweep.returncode == 0, sweep.describe()
+    base = tmp_path / "runs" / "sweep"
+    assert sorted(p.name for p in base.iterdir() if p.is_dir()) == ["0", "1"]
+    record = json.loads((base / "sweep.json").read_text())
+    assert [job["overrides"] for job in record["jobs"]] == [["strategy.sharding=NIG"], ["strategy.sharding=GGG"]]
+    assert [job["exit_code"] for job in record["jobs"]] == [0, 0]
+    results = [json.loads((base / str(i) / "summary.json").read_text()) for i in range(2)]
+    assert [r["strategy"] for r in results] == ["paro NIG", "paro GGG"]
+    for job in range(2):
+        # a rank that started a sweep of its own would have written more runs; each job trained once
+        assert sorted(p.name for p in (base / str(job) / "logs").iterdir()) == ["version_0"]
+        assert results[job]["world_size"] == 2 and results[job]["optimizer_steps"] == 4
+    # the two shardings compute the same training: same losses
+    assert results[0]["loss_per_step_rank0"] == pytest.approx(results[1]["loss_per_step_rank0"], abs=1e-4)
+    assert sweep.stdout.count("[sweep] job ") == 2
+
+
+@pytest.mark.timeout(200)
+def test_bench_with_the_spawn_start_method(tmp_path):
+    bench = run_cli(["bench", *TINY, "strategy=paro_ggg", "strategy.start_method=spawn", "bench.warmup_steps=1",
+                     "bench.steps=2", "run.name=b"], tmp_path, timeout=180)
+    assert bench.returncode == 0, bench.describe()
+    result = json.loads((tmp_path / "runs" / "b" / "bench.json").read_text())
+    assert result["strategy"] == "paro GGG" and result["world_size"] == 2 and result["timed_steps"] == 2
+    assert result["tokens_per_step"] == 4 * 32 * 2 * 2  # batch x seq_len x accumulation x ranks
+    assert result["tokens_per_s"] > 0 and result["inter_bytes_per_step"] == 0
+    assert "tokens/s" in bench.stdout
+
+
+@pytest.mark.timeout(200)
+def test_fit_under_torchrun(tmp_path):
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+              "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "lightning_paro"]
+    fit = run_cli(["fit", *TINY, "strategy=paro_nig", "strategy.group_size=1", "trainer.limit_val_batches=0",
+                   "run.name=tr"], tmp_path, timeout=180, prefix=prefix)
+    assert fit.returncode == 0, fit.describe()
+    summary = json.loads((tmp_path / "runs" / "tr" / "summary.json").read_text())
+    # group_size=1: two groups of one, so everything crosses groups
+    assert summary["strategy"] == "paro NIG (m=1)" and summary["world_size"] == 2
+    assert summary["inter_bytes_per_step"] > 0 and summary["intra_bytes_per_step"] == 0
+    assert (tmp_path / "runs" / "tr" / "weights.ckpt").is_file()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,key", [
+    (["fit", "strategy.sharding=XYZ"], "strategy.sharding"),
+    (["fit", "-m", "strategy=paro,nope"], "strategy"),
+])
+def test_a_config_error_is_one_line_from_the_entry_point(tmp_path, args, key):
+    done = run_cli(args, tmp_path, timeout=100)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"lightning-paro: error: {key}: "), done.stderr
+    assert not (tmp_path / "runs").exists()  # nothing ran

@@ -1,0 +1,177 @@
+"""The config tree composes with Hydra's compose API, every strategy config builds its strategy, every PaRO knob is
+overridable, and bad values come back as one line naming the key. In-process: nothing is launched."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_paro import PaROStrategy, VALID_STRATEGIES
+from lightning_paro.cli import schema
+from lightning_paro.cli.build import FSDP2Strategy, build_strategy, build_trainer
+from lightning_paro.cli.compose import GROUP_SCHEMAS, default_config_dir, load_config
+from lightning_paro.cli.main import main, parse_args
+from lightning_paro.cli.schema import ConfigError
+from lightning_paro.demo.model import Block
+
+CONF = default_config_dir()
+REPO = CONF.parent
+STRATEGY_CONFIGS = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+FOUR_CPUS = ["trainer.accelerator=cpu", "trainer.devices=4"]
+
+
+def test_the_config_tree_has_every_paro_strategy_and_the_baselines():
+    expected = {"paro", "ddp", "fsdp2", "hsdp"} | {f"paro_{s.lower()}" for s in VALID_STRATEGIES}
+    assert set(STRATEGY_CONFIGS) == expected
+
+
+@pytest.mark.parametrize("name", STRATEGY_CONFIGS)
+def test_every_strategy_config_composes_and_builds_its_strategy(name):
+    cfg = load_config([f"strategy={name}", *FOUR_CPUS])
+    strategy = build_strategy(cfg)
+    if name.startswith("paro"):
+        assert type(strategy) is PaROStrategy
+        assert strategy.sharding.name == ("IIG" if name == "paro" else name[-3:].upper())
+        assert strategy._group_size is None and strategy._start_method == "popen"
+    elif name == "ddp":
+        assert type(strategy) is DDPStrategy
+    else:
+        assert type(strategy) is FSDP2Strategy
+        assert strategy._data_parallel_size == 4 and strategy._tensor_parallel_size == 1
+        # fsdp2 shards over all ranks; hsdp defaults its shard group to the processes per node
+        assert strategy.group_size == (None if name == "fsdp2" else 4)
+
+
+def test_every_paro_knob_is_overridable():
+    cfg = load_config(["strategy=paro", "strategy.sharding=nig", "strategy.group_size=2", "strategy.prefetch=0",
+                       "strategy.log_traffic=false", "strategy.units=[lightning_paro.demo.model.Block]",
+                       "strategy.start_method=spawn", "strategy.process_group_backend=gloo", "strategy.timeout_s=60",
+                       *FOUR_CPUS])
+    s = build_strategy(cfg)
+    assert s.sharding.name == "NIG" and s._group_size == 2 and s._prefetch == 0 and s._log_traffic is False
+    assert s._units == [Block] and s._start_method == "spawn" and s.process_group_backend == "gloo"
+    assert s._timeout == timedelta(seconds=60)
+
+
+def test_a_per_strategy_file_is_the_paro_config_with_its_sharding():
+    assert load_config(["strategy=paro_ggg"]).strategy == dataclasses.replace(
+        load_config(["strategy=paro", "strategy.sharding=GGG"]).strategy)
+
+
+def test_the_trainer_gets_the_trainer_group_and_the_strategy():
+    cfg = load_config(["strategy=paro_iig", "strategy.group_size=2", "trainer=cpu4", "trainer.max_steps=7",
+                       "trainer.accumulate_grad_batches=3", "trainer.gradient_clip_val=0.5"])
+    trainer = build_trainer(cfg)
+    assert isinstance(trainer.strategy, PaROStrategy) and trainer.strategy.group_size == 2
+    assert trainer.num_devices == 4 and trainer.num_nodes == 1 and trainer.max_steps == 7
+    assert trainer.accumulate_grad_batches == 3 and trainer.gradient_clip_val == 0.5
+    # validation runs once, after the last optimizer step, counted in micro-batches across epochs
+    assert trainer.val_check_interval == 21 and trainer.check_val_every_n_epoch is None
+
+
+@pytest.mark.parametrize("group", sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "strategy"))
+def test_every_option_of_the_other_groups_composes(group):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        cfg = load_config([f"{group}={option}"])
+        assert isinstance(getattr(cfg, group), GROUP_SCHEMAS[group])
+
+
+def test_run_dir_is_absolute_against_the_working_directory(tmp_path):
+    cfg = load_config(["run.name=exp1"], cwd=tmp_path)
+    assert Path(cfg.run.dir) == tmp_path.resolve() / "runs" / "exp1"
+    assert load_config([f"run.dir={tmp_path}/x"]).run.dir == str(tmp_path.resolve() / "x")
+
+
+BAD = [
+    (["strategy.sharding=XYZ"], "strategy.sharding", "NIG"),
+    (["strategy.sharding=NGI"], "strategy.sharding", "IIG"),
+    (["strategy.group_size=3", "trainer.devices=4"], "strategy.group_size", "1, 2, 4"),
+    (["strategy.group_size=2", "trainer.devices=3", "trainer.num_nodes=1"], "strategy.group_size", "1, 3"),
+    (["strategy.group_size=0"], "strategy.group_size", "positive"),
+    (["strategy=nope"], "strategy", "paro_nig"),
+    (["model=nope"], "model", "gpt_tiny"),
+    (["stratgy=paro"], "stratgy", "strategy"),
+    (["strategy.prefech=2"], "strategy.prefech", "prefetch"),
+    (["strategy=ddp", "strategy.sharding=NIG"], "strategy.sharding", "find_unused_parameters"),
+    (["+strategy.foo=1"], "strategy.foo", "sharding"),
+    (["strategy.sharding=NIG,GGG"], "strategy.sharding", "-m"),
+    (["strategy.start_method=thread"], "strategy.start_method", "spawn"),
+    (["strategy.log_traffic=maybe"], "strategy.log_traffic", "bool"),
+    (["trainer.devices=0"], "trainer.devices", "positive"),
+    (["trainer.max_steps=abc"], "trainer.max_steps", "abc"),
+    (["trainer.precision=16-mixed"], "trainer.precision", "bf16-mixed"),
+    (["model.dim=30", "model.heads=4"], "model.dim", "heads"),
+    (["predict.format=csv"], "predict.format", "parquet"),
+    (["strategy=hsdp", "strategy.group_size=3", "trainer.devices=4"], "strategy.group_size", "divide"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,hint", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_a_bad_value_is_one_line_naming_the_key(overrides, key, hint, capsys):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    assert info.value.key == key and hint in str(info.value)
+    assert main(["fit", *overrides]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lightning-paro: error: {key}: "), captured.err
+
+
+@pytest.mark.parametrize("argv,key", [(["train"], "command"), ([], "command"), (["fit", "--bogus"], "--bogus"),
+                                      (["fit", "--config-dir"], "--config-dir")])
+def test_a_bad_command_line_is_one_line(argv, key, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lightning-paro: error: {key}"), err
+
+
+def test_a_missing_config_tree_is_one_line(tmp_path, capsys):
+    assert main(["fit", "--config-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--config-dir" in err[0] and "config.yaml" in err[0]
+
+
+def test_torchrun_layout_must_match_the_trainer_config():
+    from lightning_paro.cli.compose import check_launch_environment
+
+    cfg = load_config(["trainer.devices=2"])
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}
+    with pytest.raises(ConfigError, match="trainer.devices=4"):
+        check_launch_environment(cfg, torchrun)
+    check_launch_environment(load_config(["trainer.devices=4"]), torchrun)
+    with pytest.raises(ConfigError, match="trainer.num_nodes=2"):
+        check_launch_environment(load_config(["trainer.devices=4"]), {**torchrun, "WORLD_SIZE": "8"})
+
+
+def test_print_config_and_help(capsys):
+    assert main(["fit", "--cfg", "job", "strategy=paro_nig", "strategy.group_size=2", "trainer=cpu4"]) == 0
+    out = capsys.readouterr().out
+    assert "sharding: NIG" in out and "group_size: 2" in out and "devices: 4" in out
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "paro_nig" in out and "fsdp2" in out and "gpt_tiny" in out
+
+
+def test_parse_args_keeps_overrides_in_order_and_flags_anywhere():
+    inv = parse_args(["-m", "bench", "strategy=paro", "--config-dir=/x", "strategy.sharding=NIG,GGG"])
+    assert inv.command == "bench" and inv.multirun and inv.config_dir == Path("/x")
+    assert inv.overrides == ("strategy=paro", "strategy.sharding=NIG,GGG")
+
+
+def test_the_config_reference_documents_every_key():
+    doc = (REPO / "docs" / "config.md").read_text()
+    schemas = {"trainer": schema.TrainerConfig, "model": schema.GPTModelConfig, "data": schema.StdlibDataConfig,
+               "predict": schema.PredictConfig, "bench": schema.BenchConfig, "run": schema.RunConfig}
+    missing = [f"{group}.{f.name}" for group, cls in schemas.items() for f in dataclasses.fields(cls)
+               if f"`{group}.{f.name}`" not in doc]
+    for cls in (schema.ParoStrategyConfig, schema.DDPStrategyConfig, schema.FSDP2StrategyConfig):
+        missing += [f"strategy.{f.name}" for f in dataclasses.fields(cls) if f"`strategy.{f.name}`" not in doc]
+    assert not missing, f"keys missing from docs/config.md: {missing}"
+    for option in STRATEGY_CONFIGS:
+        assert re.search(rf"\b{option}\b", doc), option
