@@ -40,12 +40,12 @@ def single_dataloader(dataloaders: Any) -> DataLoader:
 
 
 def sharded_dataloader(
-    loader: DataLoader, sampler: ShardBatchSampler, id_column: Optional[str], row_retries: int
+    loader: DataLoader, sampler: ShardBatchSampler, id_column: Optional[str], row_retries: int, fetch_threads: int = 1
 ) -> DataLoader:
     """A DataLoader with ``loader``'s reading settings whose batches come from leased shards."""
     workers = loader.num_workers
     return DataLoader(
-        ElasticDataset(loader.dataset, row_retries=row_retries),
+        ElasticDataset(loader.dataset, row_retries=row_retries, fetch_threads=fetch_threads),
         batch_sampler=sampler,
         num_workers=workers,
         collate_fn=ElasticCollate(loader.collate_fn, id_column),

@@ -72,7 +72,9 @@ class WorkerRun:
         self.sampler = ShardBatchSampler(
             self.open_ledger, self.owner, int(loader.batch_size), config, self.in_flight, self._acknowledge, self.stop
         )
-        self.dataloader = sharded_dataloader(loader, self.sampler, config.id_column, config.row_retries)
+        self.dataloader = sharded_dataloader(
+            loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads
+        )
         self.writer = ShardWriter(
             self.open_ledger,
             self.output_dir,

@@ -1,0 +1,195 @@
+"""One benchmark configuration per function; each runs in its own process and returns its measurements."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader
+
+from workload import HttpRecords, Scorer, TinyEncoder
+
+BATCH = 32
+LOADER_WORKERS = 2
+ENCODER = dict(width=256, layers=2)
+SCORER = dict(width=256, layers=6)
+
+
+def build_encoder() -> torch.nn.Module:
+    return TinyEncoder(**ENCODER).eval()
+
+
+def build_scorer() -> torch.nn.Module:
+    return Scorer(**SCORER).eval()
+
+
+def _embedding_column(x: torch.Tensor) -> pa.Array:
+    arr = x.detach().cpu().numpy()
+    return pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), arr.shape[1])
+
+
+def _peak_rss_mib() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round((own + children) / 1024, 1)
+
+
+def _loader(url, rows):
+    return DataLoader(HttpRecords(url, rows), batch_size=BATCH, num_workers=LOADER_WORKERS)
+
+
+def _lightning_module(multi: bool, elastic: bool):
+    import lightning as L
+
+    class Predictor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = build_encoder()
+            self.scorer = build_scorer() if multi else None
+
+        def predict_step(self, batch, batch_idx):
+            embedding = self.encoder(batch["tokens"])
+            if elastic:
+                out = {"embedding": embedding}
+                if multi:
+                    out["scores"] = self.scorer(embedding)
+                return out
+            return (batch["id"], embedding, self.scorer(embedding) if multi else None)
+
+    return Predictor()
+
+
+def _trainer(callbacks):
+    import lightning as L
+
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=callbacks, enable_progress_bar=False,
+                     enable_model_summary=False, enable_checkpointing=False)
+
+
+def baseline(url, rows, out: Path, multi: bool) -> dict:
+    """Plain Trainer.predict with a BasePredictionWriter writing one Parquet file per batch."""
+    from lightning.pytorch.callbacks import BasePredictionWriter
+
+    class ParquetWriter(BasePredictionWriter):
+        def __init__(self) -> None:
+            super().__init__(write_interval="batch")
+
+        def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+            ids, embedding, scores = prediction
+            columns = {"row_id": pa.array(ids.numpy()), "embedding": _embedding_column(embedding)}
+            if scores is not None:
+                columns["scores"] = _embedding_column(scores)
+            pq.write_table(pa.table(columns), out / f"batch-{batch_idx:06d}.parquet")
+
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = _trainer([ParquetWriter()])
+    start = time.perf_counter()
+    trainer.predict(_lightning_module(multi, elastic=False), dataloaders=_loader(url, rows), return_predictions=False)
+    elapsed = time.perf_counter() - start
+    written = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("*.parquet"))
+    return {"seconds": elapsed, "rows": written}
+
+
+def elastic(url, rows, out: Path, multi: bool, fetch_threads: int) -> dict:
+    """The same Trainer.predict with ElasticPredict (and concurrent fetches)."""
+    from lightning_paro.predict import ElasticPredict, read_predictions
+
+    callback = ElasticPredict(str(out), shard_size=256, fetch_threads=fetch_threads)
+    trainer = _trainer([callback])
+    start = time.perf_counter()
+    trainer.predict(_lightning_module(multi, elastic=True), dataloaders=_loader(url, rows))
+    elapsed = time.perf_counter() - start
+    table = read_predictions(out, columns=["row_id"])
+    return {"seconds": elapsed, "rows": table.num_rows, "unique_rows": len(set(table.column("row_id").to_pylist()))}
+
+
+class _EncodeStage(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = build_encoder()
+
+    def forward(self, batch):
+        return {"embedding": self.encoder(batch["tokens"])}
+
+
+class _ScoreStage(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scorer = build_scorer()
+
+    def forward(self, batch):
+        return {"embedding": batch["embedding"], "scores": self.scorer(batch["embedding"])}
+
+
+def build_encode_stage():
+    return _EncodeStage().eval()
+
+
+def build_score_stage():
+    return _ScoreStage().eval()
+
+
+def pipeline(url, rows, out: Path, fetch_threads: int, max_replicas: int) -> dict:
+    """Two models as pipeline stages in their own processes, replica counts from the profiling pass."""
+    from lightning_paro.predict import PipelineStage, read_predictions, run_pipeline
+
+    stages = [PipelineStage("encode", build_encode_stage), PipelineStage("score", build_score_stage)]
+    start = time.perf_counter()
+    report = run_pipeline(stages, _loader(url, rows), str(out), max_replicas=max_replicas, shard_size=256,
+                          fetch_threads=fetch_threads)
+    elapsed = time.perf_counter() - start
+    table = read_predictions(out, columns=["row_id"])
+    return {"seconds": elapsed, "rows": table.num_rows, "unique_rows": len(set(table.column("row_id").to_pylist())),
+            "replicas": report.replicas}
+
+
+def model_limit(multi: bool, rows: int = 640) -> dict:
+    """Each model alone on pre-built token batches, one thread: the compute stage's standalone throughput."""
+    tokens = torch.randint(0, 4096, (BATCH, 64))
+    encoder = build_encoder()
+    result = {}
+    with torch.inference_mode():
+        encoder(tokens)
+        start = time.perf_counter()
+        for _ in range(rows // BATCH):
+            embedding = encoder(tokens)
+        result["encoder_rows_per_s"] = rows / (time.perf_counter() - start)
+        if multi:
+            scorer = build_scorer()
+            scorer(embedding)
+            start = time.perf_counter()
+            for _ in range(rows // BATCH):
+                scorer(embedding)
+            result["scorer_rows_per_s"] = rows / (time.perf_counter() - start)
+    return result
+
+
+def read_limit(url, rows: int, concurrency: int) -> dict:
+    """The read path alone (fetch + preprocess) with many requests in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dataset = HttpRecords(url, rows)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(dataset.__getitem__, range(rows)))
+    return {"read_rows_per_s": rows / (time.perf_counter() - start)}
+
+
+def run(name: str, url, rows: int, out: Path, **kwargs) -> dict:
+    torch.set_num_threads(1)
+    fn = {"baseline": baseline, "elastic": elastic, "pipeline": pipeline, "model_limit": model_limit,
+          "read_limit": read_limit}[name]
+    if name == "model_limit":
+        result = fn(**kwargs)
+    else:
+        result = fn(url, rows, out, **kwargs) if name != "read_limit" else fn(url, rows, **kwargs)
+    if "seconds" in result:
+        result["rows_per_s"] = result["rows"] / result["seconds"]
+    result["peak_rss_mib"] = _peak_rss_mib()
+    result["pid"] = os.getpid()
+    return result
