@@ -23,6 +23,12 @@ def launch(script: str, nprocs: int, *args: str, timeout: float = 240, nodes: in
            extra_env: dict | None = None) -> list[str]:
     """Start ``nprocs`` processes per node (``nodes`` nodes) of ``workers/script`` with the torch.distributed
     environment set (like torchrun), wait for all, and return their outputs. Kills every process on failure."""
+    return wait_all(start(script, nprocs, *args, nodes=nodes, extra_env=extra_env), timeout)
+
+
+def start(script: str, nprocs: int, *args: str, nodes: int = 1, extra_env: dict | None = None,
+          output: int = subprocess.PIPE) -> list[subprocess.Popen]:
+    """Start the processes of :func:`launch` without waiting for them."""
     port = free_port()
     procs = []
     world = nprocs * nodes
@@ -34,9 +40,9 @@ def launch(script: str, nprocs: int, *args: str, timeout: float = 240, nodes: in
                        LOCAL_WORLD_SIZE=str(nprocs), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             env.update(extra_env or {})
             procs.append(subprocess.Popen([sys.executable, str(WORKERS / script), *args], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          stdout=output, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True))
-    return wait_all(procs, timeout)
+    return procs
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:

@@ -17,5 +17,9 @@ def test_demo_runs_end_to_end(tmp_path):
     assert summary["sharding"] == "IIG" and summary["processes"] == 2
     assert summary["inter_bytes_per_step"] > 0  # group size 1: every gather crosses groups
     assert summary["memory_rank0"]["params"] > 0
-    assert (tmp_path / "gpt-weights.ckpt").is_file()
+    assert (tmp_path / "checkpoint" / "meta.pt").is_file()
+    from lightning_paro.demo.model import GPT
+
+    model = GPT.load_from_checkpoint(tmp_path / "gpt.ckpt", weights_only=True)
+    assert sum(p.numel() for p in model.parameters()) == summary["parameters"]
     assert "PaRO strategy IIG" in proc.stdout

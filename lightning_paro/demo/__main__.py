@@ -18,6 +18,7 @@ import lightning as L
 from lightning_paro import PaROStrategy
 from lightning_paro.demo.data import ByteChunks, stdlib_files
 from lightning_paro.demo.model import GPT, GPTConfig
+from lightning_paro.strategy.checkpoint import convert_to_full
 
 
 class _Report(L.Callback):
@@ -58,10 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     trainer.fit(model, train, val)
     elapsed = time.perf_counter() - t0
-    ckpt = out / "gpt-weights.ckpt"
-    trainer.save_checkpoint(ckpt, weights_only=True)
+    sharded = out / "checkpoint"
+    trainer.save_checkpoint(sharded)  # sharded: every rank writes its part, once
     if trainer.global_rank != 0:
         return
+    ckpt = convert_to_full(sharded, out / "gpt.ckpt")  # one file, loadable with GPT.load_from_checkpoint
     rep = model.report
     losses = model.step_losses
     k = max(1, len(losses) // 12)
@@ -73,14 +75,15 @@ def main(argv: list[str] | None = None) -> None:
         "parameters": sum(p.numel() for p in model.parameters()), "seconds": round(elapsed, 1),
         "loss_curve": [round(x, 3) for x in curve], "intra_bytes_per_step": intra, "inter_bytes_per_step": inter,
         "memory_rank0": rep["memory"], "val_bits_per_byte": float(trainer.callback_metrics.get("val_bits_per_byte", 0)),
-        "checkpoint": str(ckpt), "logs": str(Path(trainer.logger.log_dir)),
+        "checkpoint": str(sharded), "full_checkpoint": str(ckpt), "logs": str(Path(trainer.logger.log_dir)),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n" + rep["summary"])
     print(f"\nloss curve (mean per {k} micro-steps): " + " ".join(f"{x:.2f}" for x in curve))
     print(f"held-out bits per byte: {summary['val_bits_per_byte']:.3f}")
     print(f"trained {summary['parameters']:,} parameters in {elapsed:.1f} s")
-    print(f"outputs: {out}/ (summary.json, {ckpt.name}, logs in {summary['logs']})")
+    print(f"outputs: {out}/ (summary.json, sharded checkpoint {sharded.name}/, consolidated {ckpt.name},"
+          f" logs in {summary['logs']})")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,9 @@ class PaROEngine:
             for p in mod.parameters():
                 owner.setdefault(id(p), set()).add(uname)
         group_of = _optimizer_group_index(self.optimizers, names)
+        self.original_param_groups: list[list[list[str]]] = [
+            [[names[id(p)][0] for p in g["params"]] for g in opt.param_groups] for opt in self.optimizers]
+        """Per optimizer and param group, the parameter names in the order the user built them (checkpoints)."""
         per_unit: dict[str, OrderedDict] = {u: OrderedDict() for u, _ in unit_mods}
         per_unit[ROOT] = OrderedDict()
         for pid, (name, p) in names.items():
@@ -408,6 +411,18 @@ class PaROEngine:
         self._hooks.clear()
         self.mode = Mode.FULL
 
+    def after_load(self) -> None:
+        """After new weights were written into this rank's parameter shards: refresh separate master copies and
+        drop any gathered copy (it holds the old weights)."""
+        with torch.no_grad():
+            for f in self.flat_groups():
+                if f.trainable and f.master.data_ptr() != f.own_param_slot.data_ptr():
+                    f.master.copy_(f.own_param_slot)
+                if f.spec.params != Level.N:
+                    f.free_params()
+        if self.mode is Mode.FULL:
+            self.materialize()
+
     def memory_report(self) -> dict[str, int]:
         """Persistent per-rank bytes of model states held by the engine (padding included).
 
@@ -444,6 +459,10 @@ class PaROEngine:
                     out["trainable"] += f.layout.numel
                     out["trainable_padded"] += f.layout.padded
         return out
+
+    def flat_of(self, master: nn.Parameter) -> FlatGroup:
+        """The flat group an optimizer shard belongs to."""
+        return self._flat_by_master[id(master)]
 
     def flat_groups(self) -> list[FlatGroup]:
         return [f for u in self.units for f in u.flats]

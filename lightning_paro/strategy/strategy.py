@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
@@ -37,6 +39,7 @@ import lightning.pytorch as pl
 from lightning_paro.comm.accounting import TrafficMeter
 from lightning_paro.comm.collectives import Communicator
 from lightning_paro.comm.topology import Topology
+from lightning_paro.strategy import checkpoint as ckpt
 from lightning_paro.strategy.engine import PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.precision import to_paro_precision
@@ -57,6 +60,9 @@ class PaROStrategy(ParallelStrategy):
             classes, or a predicate ``(name, module) -> bool``.
         prefetch: how many units ahead to gather while the current one computes (0: no prefetch).
         log_traffic: log ``paro/intra_bytes`` and ``paro/inter_bytes`` per optimizer step to the Trainer's loggers.
+        state_dict_type: ``"sharded"`` (default): checkpoints are directories written by every rank through
+            ``torch.distributed.checkpoint``, loadable at another world size, group size or strategy; ``"full"``: one
+            consolidated file, loadable by ``LightningModule.load_from_checkpoint`` and by ``"ddp"``.
         start_method: ``"popen"`` (Lightning's subprocess launcher, like ``"ddp"``), ``"spawn"``, ``"fork"`` or
             ``"forkserver"``.
         process_group_backend: ``"gloo"`` or ``"nccl"``; defaults to the device's.
@@ -72,6 +78,7 @@ class PaROStrategy(ParallelStrategy):
         units: UnitPolicy = "auto",
         prefetch: int = 1,
         log_traffic: bool = True,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -91,9 +98,13 @@ class PaROStrategy(ParallelStrategy):
         self.sharding = ShardingSpec.parse(sharding)
         if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
             raise ValueError(f"group_size must be a positive integer (ranks per group), got {group_size!r}.")
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}.")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"Unknown start_method {start_method!r}: use 'popen', 'spawn', 'fork' or 'forkserver'.")
         self._group_size = group_size
+        self.state_dict_type = state_dict_type
+        self._restored_sharded = False
         self._units = units
         self._prefetch = prefetch
         self._log_traffic = log_traffic
@@ -219,6 +230,9 @@ class PaROStrategy(ParallelStrategy):
         if self.engine is not None:  # configure_model / setup run again: start from the plain module
             self.engine.restore_module()
             self.engine = None
+            if self._comm is not None:
+                self._comm.close()
+                self._comm = None
         if self._comm is None:
             self._comm = Communicator(self.topology, self.meter)
         raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
@@ -314,13 +328,26 @@ class PaROStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.release()
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints are read into the engine's shards
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._restored_sharded  # a sharded checkpoint's optimizer states are read in load_checkpoint
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model state dict (collective: every rank gathers; rank 0's copy is what gets saved)."""
+        """Sharded: this rank's chunks of every tensor. Full: the whole state dict (collective; rank 0 saves it)."""
         assert self.lightning_module is not None
         if self.engine is None:
             return self.lightning_module.state_dict()
+        if self.state_dict_type == "sharded":
+            self.engine.wait()
+            return ckpt.model_state(self.engine, for_save=True)
         was_full = self.engine.mode.value == "full"
         self.engine.wait()
         self.engine.materialize()
@@ -330,13 +357,106 @@ class PaROStrategy(ParallelStrategy):
         return state
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.engine is not None
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        index = self.engine.optimizers.index(raw)
+        self.engine.wait()
+        if self.state_dict_type == "sharded":
+            return ckpt.optimizer_state(self.engine, index, for_save=True)
+        return ckpt.full_optimizer_state(self.engine, index)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write aside, then publish atomically: an interrupted save never leaves a checkpoint that looks complete,
+        and the previous checkpoint at ``filepath`` stays intact until the new one is in place."""
+        if storage_options is not None:
+            raise TypeError("PaROStrategy.save_checkpoint does not take storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        staged = Path(self.broadcast(str(ckpt.staging_path(path))))
+        if self.state_dict_type == "sharded":
+            from torch.distributed.checkpoint import FileSystemWriter
+            from torch.distributed.checkpoint import save as dcp_save
+
+            state = {"state_dict": checkpoint.pop("state_dict")}
+            for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                state[f"optimizer_{i}"] = opt_state
+            if self.is_global_zero:
+                staged.mkdir(parents=True)
+            self.barrier()
+            dcp_save(state, storage_writer=FileSystemWriter(str(staged)), planner=ckpt.ChunkSavePlanner())
+            if self.is_global_zero:
+                torch.save(checkpoint, staged / ckpt.META_FILE)  # written last: its presence marks completeness
+        elif self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.checkpoint_io.save_checkpoint(checkpoint, staged)
+        self.barrier()
+        if self.is_global_zero:
+            ckpt.publish(staged, path)
+        self.barrier()
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.engine is not None
+        self.engine.wait()
+        weights_only = True if weights_only is None else weights_only  # opt out explicitly for trusted files
+        if not path.is_dir():
+            self._restored_sharded = False
+            return super().load_checkpoint(path, weights_only=weights_only)
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint import load as dcp_load
+
+        metadata = ckpt.read_sharded_metadata(path)
+        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
+        state: dict[str, Any] = {"state_dict": ckpt.model_state(self.engine, for_save=False)}
+        ckpt.check_keys_and_shapes(self.lightning_module.state_dict(keep_vars=True),
+                                   ckpt.stored_shapes(metadata, "state_dict"), strict, "model")
+        stored_opts = {k.split(".")[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")}
+        load_opts = [i for i in range(len(self.engine.optimizers)) if f"optimizer_{i}" in stored_opts]
+        for i in load_opts:
+            ckpt.init_optimizer_state(self.engine, i)
+            state[f"optimizer_{i}"] = ckpt.optimizer_state(self.engine, i, for_save=False)
+        if not strict:
+            state["state_dict"] = {k: v for k, v in state["state_dict"].items()
+                                   if f"state_dict.{k}" in metadata.state_dict_metadata}
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp_load(state, storage_reader=FileSystemReader(str(path)), planner=ckpt.ChunkLoadPlanner())
+        except CheckpointException as err:  # a BaseException: turn it into an error that names the damage
+            causes = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                               for r, e in sorted(err.failures.items()))
+            raise RuntimeError(f"Could not read the sharded checkpoint at {path}: a data file is missing, damaged or"
+                               f" truncated ({causes}). Resume from an earlier checkpoint.") from None
+        for i in load_opts:
+            ckpt.apply_param_groups(self.engine, i, state[f"optimizer_{i}"]["param_groups"])
+        self.engine.after_load()
+        self._restored_sharded = True
+        return torch.load(path / ckpt.META_FILE, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._restored_sharded or self.engine is None:
+            return  # a sharded checkpoint was read in place by load_checkpoint
+        ckpt.load_full_model_state(self.engine, checkpoint["state_dict"], strict=strict)
+        self.engine.after_load()
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if checkpoint.get("optimizer_states"):
-            raise RuntimeError(
-                "Resuming the optimizer state of a PaRO run is not supported in this version: its optimizer states"
-                " are per-rank flat shards. Resume from the weights instead, e.g."
-                " `model = MyModule.load_from_checkpoint(path)` and a fresh `trainer.fit(model)`."
-            )
+        if self._restored_sharded or self.engine is None:
+            return
+        for i, sd in enumerate(checkpoint["optimizer_states"]):
+            ckpt.load_full_optimizer_state(self.engine, i, sd)
 
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes of parameters, gradients and optimizer states held by the engine."""
@@ -394,14 +514,12 @@ class PaROStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.engine is not None:
-            if not self._failed:
-                # Hand the user back a plain module with full weights, as after "ddp".
-                self.engine.restore_module()
-            self.engine = None
-        if self._comm is not None and not self._failed:
-            self._comm.close()  # the next stage (e.g. predict after fit) starts a new thread over the same groups
-            self._comm = None
+        if self.engine is not None and not self._failed:
+            # Leave every unit gathered: the module's weights are readable after fit, as after "ddp", while the
+            # shards (and optimizer states) stay in place for `trainer.save_checkpoint` after fit. The next stage
+            # rebuilds the engine from this module.
+            self.engine.wait()
+            self.engine.materialize()
         self._failed = False
         super().teardown()
 

@@ -1,0 +1,466 @@
+"""Checkpoints of a PaRO-sharded module: sharded (torch.distributed.checkpoint) and full (one torch file).
+
+Sharded checkpoints hold every tensor under its original name and shape, as a set of rectangular chunks: each rank
+writes the part of each parameter (and of each optimizer state) that falls into its level-G range of the flat buffer.
+Those ranges partition every buffer across the n ranks, so each element is written exactly once, by one rank, and
+the files can be read at any other world size, group size or strategy, or without this package
+(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``).
+
+Loading describes, for each rank, the chunks it needs at its own levels (P for parameters, OS for optimizer states);
+torch.distributed.checkpoint reads the overlapping parts of the stored chunks into them, in place.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from lightning_paro.strategy.levels import Level
+
+if TYPE_CHECKING:
+    from lightning_paro.strategy.engine import PaROEngine
+    from lightning_paro.strategy.flat import FlatGroup
+
+META_FILE = "meta.pt"
+"""Trainer state (loops, schedulers, callbacks) of a sharded checkpoint, as Lightning's sharded layout names it."""
+
+
+# ---------------------------------------------------------------------- chunks of a flat range
+def range_chunks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Split the row-major element range ``[start, stop)`` of a tensor of ``shape`` into rectangular chunks.
+
+    Returns ``(offsets, sizes, flat_start)`` per chunk; each chunk is contiguous in memory (its trailing dimensions
+    are whole), so it is a view of the flat range. At most ``2 * ndim - 1`` chunks.
+    """
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,) * len(shape), (stop - start,) * len(shape), start)]
+    inner = math.prod(shape[1:])
+    out = []
+    row, pos = start // inner, start
+    if pos % inner:  # partial first row
+        end = min(stop, (row + 1) * inner)
+        for off, size, fs in range_chunks(shape[1:], pos - row * inner, end - row * inner):
+            out.append(((row, *off), (1, *size), row * inner + fs))
+        pos, row = end, row + 1
+    full_end = stop // inner
+    if pos < stop and full_end > row:  # whole rows
+        out.append(((row, *(0,) * (len(shape) - 1)), (full_end - row, *shape[1:]), row * inner))
+        pos, row = full_end * inner, full_end
+    if pos < stop:  # partial last row
+        for off, size, fs in range_chunks(shape[1:], 0, stop - row * inner):
+            out.append(((row, *off), (1, *size), row * inner + fs))
+    return out
+
+
+class FlatChunks:
+    """One tensor of the checkpoint as the chunks this rank holds: views into a flat buffer.
+
+    Implements the hooks torch.distributed.checkpoint uses for tensors sharded in its own way
+    (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``).
+    """
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, chunks: list[tuple[tuple, tuple, torch.Tensor]]):
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.chunks = chunks
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, flat_base: int, slot_offset: int, shape: torch.Size, rng: tuple[int, int]):
+        """The part of a parameter (at ``slot_offset`` in the padded buffer) that lies in the buffer range ``rng``;
+        ``flat`` holds the buffer from element ``flat_base`` on."""
+        numel = math.prod(shape)
+        a, b = max(rng[0], slot_offset), min(rng[1], slot_offset + numel)
+        chunks = []
+        for off, size, fs in range_chunks(tuple(shape), a - slot_offset, b - slot_offset):
+            begin = slot_offset + fs - flat_base
+            chunks.append((off, size, flat[begin:begin + math.prod(size)].view(size)))
+        return cls(shape, flat.dtype, chunks)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(off), torch.Size(size)),
+                                                      properties=props, size=self.shape))
+                for off, size, _ in self.chunks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(off), torch.Size(size)) for off, size, _ in self.chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for off, _, view in self.chunks:
+            if torch.Size(off) == index.offset:
+                return view
+        raise ValueError(f"{index.fqn}: no local chunk at offset {tuple(index.offset)}")
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """The default save planner, told how to find a :class:`FlatChunks` chunk."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, FlatChunks):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_object(index)
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """The default load planner, told how to find a :class:`FlatChunks` chunk."""
+
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
+        # The default set-up rewrites every value it does not know (ours) to None: hide them while it runs.
+        hidden: dict[tuple, FlatChunks] = {}
+
+        def hide(d: dict, path: tuple) -> None:
+            for k, v in d.items():
+                if isinstance(v, FlatChunks):
+                    hidden[path + (k,)] = v
+                    d[k] = None
+                elif isinstance(v, dict):
+                    hide(v, path + (k,))
+
+        hide(state_dict, ())
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for path, obj in hidden.items():
+            node = state_dict
+            for k in path[:-1]:
+                node = node[k]
+            node[path[-1]] = obj
+        flat_key = {tuple(v): k for k, v in self.mappings.items()} if self.flatten_state_dict else {}
+        for path, obj in hidden.items():
+            self.state_dict[flat_key.get(path, ".".join(map(str, path)))] = obj
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, FlatChunks):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
+
+
+# ---------------------------------------------------------------------- state dicts in the checkpoint's terms
+def _param_names(module: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def model_state(engine: PaROEngine, for_save: bool) -> dict[str, Any]:
+    """The module's state dict with parameters as :class:`FlatChunks` (every alias of a tied parameter included)."""
+    out: dict[str, Any] = {}
+    slots = {id(s.param): (f, s) for f in engine.flat_groups() for s in f.slots}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        if id(value) in slots:
+            f, s = slots[id(value)]
+            level = Level.G if for_save else f.spec.params
+            out[key] = FlatChunks.of(f.p_local, f.layout.start(f.spec.params), s.offset, s.shape,
+                                     f.layout.range(level))
+        else:
+            out[key] = value.detach() if torch.is_tensor(value) else value
+    return out
+
+
+def optimizer_state(engine: PaROEngine, opt_index: int, for_save: bool) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter name (the format of
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), its tensors as :class:`FlatChunks`."""
+    opt = engine.optimizers[opt_index]
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for gi, group in enumerate(opt.param_groups):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(engine.original_param_groups[opt_index][gi])})
+        for master in group["params"]:
+            f = engine.flat_of(master)
+            o0, o1 = f.layout.range(f.spec.optim)
+            rng = f.layout.range(Level.G) if for_save else (o0, o1)
+            for s in f.slots:
+                a, b = max(rng[0], s.offset), min(rng[1], s.offset + s.numel)
+                entry: dict[str, Any] = {}
+                for k, v in opt.state.get(master, {}).items():
+                    if torch.is_tensor(v) and v.shape == master.shape:
+                        entry[k] = FlatChunks.of(v, o0, s.offset, s.shape, rng)
+                    else:
+                        entry[k] = v  # scalars (step) are the same for every parameter of the shard
+                if entry and (a < b or not for_save):
+                    state[s.name] = entry
+    return {"state": state, "param_groups": groups}
+
+
+def init_optimizer_state(engine: PaROEngine, opt_index: int) -> None:
+    """Create the optimizer's state tensors (a step with zero gradients and learning rate 0), so a checkpoint can be
+    read into them; the parameters do not change."""
+    opt = engine.optimizers[opt_index]
+    if all(p in opt.state for g in opt.param_groups for p in g["params"]):
+        return
+    saved = []
+    for g in opt.param_groups:
+        saved.append(g["lr"])
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    backup = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    opt.step()
+    with torch.no_grad():
+        for p, b in zip((p for g in opt.param_groups for p in g["params"]), backup):
+            p.copy_(b)
+    for g, lr in zip(opt.param_groups, saved):
+        g["lr"] = lr
+        for p in g["params"]:
+            p.grad = None
+    for st in opt.state.values():  # the zero step must not count
+        if "step" in st and torch.is_tensor(st["step"]):
+            st["step"].zero_()
+
+
+def apply_param_groups(engine: PaROEngine, opt_index: int, loaded_groups: list[dict]) -> None:
+    """Set the optimizer's hyper-parameters from a loaded state dict's param groups (matched by position)."""
+    opt = engine.optimizers[opt_index]
+    if len(loaded_groups) != len(opt.param_groups):
+        raise ValueError(f"The checkpoint's optimizer {opt_index} has {len(loaded_groups)} param groups, the"
+                         f" optimizer {len(opt.param_groups)}: build the optimizer the same way to resume it.")
+    for group, loaded in zip(opt.param_groups, loaded_groups):
+        for k, v in loaded.items():
+            if k != "params":
+                group[k] = v
+
+
+# ---------------------------------------------------------------------- full (consolidated) state
+def full_optimizer_state(engine: PaROEngine, opt_index: int) -> dict[str, Any]:
+    """Collective: the optimizer state as torch's own ``optimizer.state_dict()`` of the unsharded optimizer
+    (integer keys in the original parameter order), the format Lightning's "ddp" saves and loads."""
+    opt = engine.optimizers[opt_index]
+    per_name: dict[str, dict[str, Any]] = {}
+    for group in opt.param_groups:
+        for master in group["params"]:
+            f = engine.flat_of(master)
+            full_states = {}
+            for k, v in opt.state.get(master, {}).items():
+                if torch.is_tensor(v) and v.shape == master.shape:
+                    full = torch.zeros(f.layout.padded, dtype=v.dtype, device=v.device)
+                    scope = {Level.N: None, Level.I: "intra", Level.G: "global"}[f.spec.optim]
+                    if scope is None:
+                        full.copy_(v)
+                    else:
+                        engine.comm.all_gather(full, v.detach().contiguous(), scope)
+                    full_states[k] = full
+                else:
+                    full_states[k] = v
+            for s in f.slots:
+                per_name[s.name] = {k: (t[s.offset:s.offset + s.numel].view(s.shape).detach().cpu().clone()
+                                        if torch.is_tensor(t) and t.dim() == 1 and t.numel() == f.layout.padded
+                                        else (t.detach().cpu().clone() if torch.is_tensor(t) else t))
+                                    for k, t in full_states.items()}
+    state, groups, index = {}, [], 0
+    for gi, group in enumerate(opt.param_groups):
+        ids = []
+        for name in engine.original_param_groups[opt_index][gi]:
+            if name in per_name:
+                state[index] = per_name[name]
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_model_state(engine: PaROEngine, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy a full (unsharded) model state dict into this rank's shards; no collectives."""
+    current = engine.module.state_dict(keep_vars=True)
+    check_keys_and_shapes(current, {k: v.shape for k, v in state_dict.items() if torch.is_tensor(v)},
+                          strict, "model")
+    slots = {id(s.param): (f, s) for f in engine.flat_groups() for s in f.slots}
+    with torch.no_grad():
+        for key, value in current.items():
+            if key not in state_dict:
+                continue
+            src = state_dict[key]
+            if id(value) in slots:
+                f, s = slots[id(value)]
+                _copy_range(f.p_local, f.layout.start(f.spec.params), f.layout.range(f.spec.params), s.offset,
+                            src.reshape(-1))
+                if f.trainable and f.master.data_ptr() != f.own_param_slot.data_ptr():
+                    f.master.copy_(f.own_param_slot)
+            elif torch.is_tensor(value):
+                value.copy_(src)
+
+
+def load_full_optimizer_state(engine: PaROEngine, opt_index: int, sd: dict[str, Any]) -> None:
+    """Load torch's ``optimizer.state_dict()`` format (integer keys in the original order, or parameter names)."""
+    init_optimizer_state(engine, opt_index)
+    opt = engine.optimizers[opt_index]
+    order = [n for g in engine.original_param_groups[opt_index] for n in g]
+    loaded_groups = sd["param_groups"]
+    flat_ids = [p for g in loaded_groups for p in g["params"]]
+    if len(flat_ids) != len(order):
+        raise ValueError(f"The checkpoint's optimizer {opt_index} covers {len(flat_ids)} parameters, this model's"
+                         f" {len(order)}: it was saved for a different model or optimizer set-up.")
+    by_name = {}
+    for pid, name in zip(flat_ids, order):
+        key = name if isinstance(pid, str) else pid
+        if key in sd["state"]:
+            by_name[name] = sd["state"][key]
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for master in group["params"]:
+                f = engine.flat_of(master)
+                o0, o1 = f.layout.range(f.spec.optim)
+                for k, v in opt.state[master].items():
+                    if torch.is_tensor(v) and v.shape == master.shape:
+                        v.zero_()
+                        for s in f.slots:
+                            if s.name in by_name and k in by_name[s.name]:
+                                _copy_range(v, o0, (o0, o1), s.offset, by_name[s.name][k].reshape(-1))
+                    elif k == "step":
+                        steps = [float(by_name[s.name]["step"]) for s in f.slots if s.name in by_name]
+                        if steps:
+                            if torch.is_tensor(v):
+                                v.fill_(max(steps))
+                            else:
+                                opt.state[master][k] = max(steps)
+    apply_param_groups(engine, opt_index, loaded_groups)
+
+
+def _copy_range(dst: torch.Tensor, dst_base: int, rng: tuple[int, int], slot_offset: int, src_flat: torch.Tensor):
+    a, b = max(rng[0], slot_offset), min(rng[1], slot_offset + src_flat.numel())
+    if a < b:
+        dst[a - dst_base:b - dst_base].copy_(src_flat[a - slot_offset:b - slot_offset])
+
+
+def check_keys_and_shapes(current: dict[str, Any], stored: dict[str, torch.Size], strict: bool, what: str) -> None:
+    """Fail early, naming every missing key, unexpected key and shape mismatch."""
+    problems = []
+    cur_shapes = {k: tuple(v.shape) for k, v in current.items() if torch.is_tensor(v)}
+    missing = [k for k in cur_shapes if k not in stored]
+    unexpected = [k for k in stored if k not in cur_shapes]
+    if strict and missing:
+        problems.append(f"missing keys: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))
+    if strict and unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected[:10])}" + (" ..." if len(unexpected) > 10 else ""))
+    bad = [f"{k} {tuple(stored[k])} in the checkpoint vs {cur_shapes[k]} in the model" for k in cur_shapes
+           if k in stored and tuple(stored[k]) != cur_shapes[k]]
+    if bad:
+        problems.append("shape mismatches: " + "; ".join(bad[:10]))
+    if problems:
+        raise ValueError(f"The checkpoint does not match the {what}: " + " | ".join(problems)
+                         + ". Load it into the model it was saved from, or set `strict_loading = False` on the LightningModule to"
+                         " skip missing and unexpected keys.")
+
+
+# ---------------------------------------------------------------------- atomic publishing
+def staging_path(path: Path) -> Path:
+    """Where a checkpoint is written before it is published: a sibling that no loader mistakes for it."""
+    return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+
+
+def publish(staged: Path, path: Path) -> None:
+    """Atomically move a complete checkpoint into place; an existing one is replaced only once the new one is in."""
+    if staged.is_file():
+        with open(staged, "rb") as fh:
+            os.fsync(fh.fileno())
+    else:
+        for p in staged.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as fh:
+                    os.fsync(fh.fileno())
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+    os.replace(staged, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).is_file()
+
+
+def read_sharded_metadata(path: Path):
+    """The torch.distributed.checkpoint metadata of a sharded checkpoint, with a clear error when it is not one."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not path.is_dir():
+        aside = sorted(path.parent.glob(f".{path.name}.old-*"))
+        hint = (f" A save interrupted while replacing it left the previous checkpoint at {aside[-1]}: rename it back"
+                f" to {path.name} to use it.") if aside else ""
+        raise FileNotFoundError(f"No checkpoint directory at {path}.{hint}")
+    if not (path / META_FILE).is_file() or not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a complete sharded checkpoint: it lacks {META_FILE} or .metadata (an"
+                         " interrupted save leaves only hidden '.partial' directories; use the previous checkpoint).")
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def stored_shapes(metadata, prefix: str) -> dict[str, torch.Size]:
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + ".") and hasattr(md, "size"):
+            out[key[len(prefix) + 1:]] = md.size
+    return out
+
+
+def names_in(groups: Iterable[Iterable[str]]) -> list[str]:
+    return [n for g in groups for n in g]
+
+
+# ---------------------------------------------------------------------- sharded -> full
+def _names_to_indices(osd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name -> torch's own format (integer keys in group order)."""
+    state, groups, index = {}, [], 0
+    for group in osd["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            if name in osd["state"]:
+                state[index] = osd["state"][name]
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def convert_to_full(src: str | Path, dst: str | Path, weights_only: bool = True) -> Path:
+    """Consolidate a sharded checkpoint directory into one file in Lightning's format (the one ``"ddp"`` writes):
+    ``state_dict`` with full tensors, ``optimizer_states`` in torch's own format, and the trainer state.
+
+    Runs in one process, with no distributed set-up. The output is published atomically.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src, dst = Path(src), Path(dst)
+    read_sharded_metadata(src)
+    tmp = staging_path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dcp_to_torch_save(str(src), str(tmp))
+        flat = torch.load(tmp, weights_only=True)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    out = dict(torch.load(src / META_FILE, weights_only=weights_only))
+    out["state_dict"] = flat["state_dict"]
+    opts = sorted((k for k in flat if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    if opts:
+        out["optimizer_states"] = [_names_to_indices(flat[k]) for k in opts]
+    staged = staging_path(dst)
+    torch.save(out, staged)
+    publish(staged, dst)
+    return dst
+
