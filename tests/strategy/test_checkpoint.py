@@ -101,6 +101,7 @@ def reshard_runs(tmp_path_factory):
         # damaged or mismatched checkpoints fail fast, on every rank, naming the problem
         {"id": "mismatch", "strategy": "IIG", "epochs": 2, "resume": c("iig"), "model": {"freeze_block": None,
          "unused": False}, "expect_error": True},
+        {"id": "model-checkpoint", "strategy": "NIG", "epochs": 2, "model_checkpoint": c("mc")},
         {"damage": [c("ggg"), c("ggg-truncated")]},
         {"id": "truncated", "strategy": "GGG", "epochs": 2, "resume": c("ggg-truncated"), "expect_error": True},
     ]
@@ -160,6 +161,14 @@ def test_mismatched_checkpoint_fails_naming_the_keys(reshard_runs):
     for r in range(4):
         err = result("mismatch", r)["error"]
         assert "unexpected keys:" in err and "unused.weight" in err and "unused.bias" in err
+
+
+@pytest.mark.timeout(900)
+def test_model_checkpoint_writes_sharded_and_removes_the_old_one(reshard_runs):
+    tmp, _, _ = reshard_runs
+    entries = sorted(p.name for p in (tmp / "mc").iterdir())
+    assert entries == ["epoch=1-step=6.ckpt"]  # epoch 0's checkpoint was removed (save_top_k=1)
+    assert (tmp / "mc" / entries[0] / "meta.pt").is_file()
 
 
 @pytest.mark.timeout(900)

@@ -55,8 +55,13 @@ for job in jobs:
     else:
         strategy = PaROStrategy(sharding=job["strategy"], group_size=job.get("group_size", 2),
                                 state_dict_type=job.get("state_dict_type", "sharded"))
+    callbacks = []
+    if job.get("model_checkpoint"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=job["model_checkpoint"], save_top_k=1,
+                                                             monitor="step", mode="max", every_n_epochs=1))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=job["epochs"],
-                        accumulate_grad_batches=ACC, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                        callbacks=callbacks, enable_checkpointing=bool(callbacks),
+                        accumulate_grad_batches=ACC, gradient_clip_val=1.0, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
     try:
