@@ -136,13 +136,13 @@ def load_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
         raise ConfigError("predict.checkpoint", f"{path} does not exist; run fit with the same run.dir first, or"
                                                 " set predict.checkpoint=PATH")
     checkpoint = read_checkpoint(path)
-    trained = checkpoint.get(CHECKPOINT_MODEL_KEY)
-    if trained:
-        for key, value in trained.items():
-            ours = getattr(cfg.model, key, None)
-            if key != "lr" and ours != value:
-                raise ConfigError(f"model.{key}", f"{ours!r} but {path.name} was trained with model.{key}={value!r};"
-                                                  f" pass model.{key}={value}")
+    trained = checkpoint.get(CHECKPOINT_MODEL_KEY) or {}
+    # the learning rate does not change the weights' shapes; everything else must match to load them
+    differ = [key for key, value in trained.items() if key != "lr" and getattr(cfg.model, key, None) != value]
+    if differ:
+        ours = " ".join(f"model.{key}={getattr(cfg.model, key, None)}" for key in differ)
+        theirs = " ".join(f"model.{key}={trained[key]}" for key in differ)
+        raise ConfigError(f"model.{differ[0]}", f"{ours} but {path} was trained with {theirs}; pass {theirs}")
     return checkpoint["state_dict"]
 
 

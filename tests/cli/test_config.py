@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_paro import PaROStrategy, VALID_STRATEGIES
@@ -175,3 +176,34 @@ def test_the_config_reference_documents_every_key():
     assert not missing, f"keys missing from docs/config.md: {missing}"
     for option in STRATEGY_CONFIGS:
         assert re.search(rf"\b{option}\b", doc), option
+
+
+def test_predict_refuses_weights_of_another_shape_naming_the_keys(tmp_path):
+    from lightning_paro.cli.commands import load_weights
+    from lightning_paro.cli.task import CHECKPOINT_MODEL_KEY, GPTTask
+
+    tiny = load_config(["model=gpt_tiny"])
+    path = tmp_path / "w.ckpt"
+    torch.save({"state_dict": GPTTask(tiny.model).state_dict(),
+                CHECKPOINT_MODEL_KEY: dataclasses.asdict(tiny.model)}, path)
+    assert set(load_weights(path, tiny)) == set(GPTTask(tiny.model).state_dict())
+    with pytest.raises(ConfigError) as info:
+        load_weights(path, load_config([]))
+    assert info.value.key == "model.seq_len" and "pass model.seq_len=32 model.dim=32 model.heads=2" in str(info.value)
+    with pytest.raises(ConfigError, match="predict.checkpoint"):
+        load_weights(tmp_path / "missing.ckpt", tiny)
+
+
+def test_predict_reads_a_sharded_checkpoint_directory(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_paro.cli.commands import read_checkpoint
+    from lightning_paro.cli.task import GPTTask
+
+    state = GPTTask(load_config(["model=gpt_tiny"]).model).state_dict()
+    directory = tmp_path / "sharded.ckpt"
+    dcp.save({"state_dict": state}, checkpoint_id=str(directory))
+    torch.save({"global_step": 7}, directory / "meta.pt")
+    loaded = read_checkpoint(directory)
+    assert loaded["global_step"] == 7 and set(loaded["state_dict"]) == set(state)
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in state.items())
