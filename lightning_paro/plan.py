@@ -1,0 +1,199 @@
+"""``python -m lightning_paro.plan``: the candidate table and the choice of ``sharding="auto"`` for a configuration,
+without training.
+
+Example (LLaMA-7B-like, 4 nodes of 8 GPUs)::
+
+    python -m lightning_paro.plan --params 7e9 --trainable 1.0 --nodes 4 --gpus-per-node 8 \\
+        --intra-gbps 2400 --inter-gbps 200 --device-memory-gib 80 --accumulate 4 --tflops 125
+
+``--paper-scale`` prints the predicted tables of the PaRO paper's settings instead (LLaMA-7B on 32 GPUs, LLaMA-65B
+on 64 and 128, 8 per node, NVLink inside, 100/200/400 Gbit/s per node between nodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from lightning_paro.strategy.auto import DEFAULT_MEMORY_BUDGET, GB, Plan, format_plan, plan
+from lightning_paro.strategy.cost_model import Cluster, Compute, Link, Workload
+from lightning_paro.strategy.levels import KNOWN_AS, VALID_STRATEGIES
+
+GIB = 2**30
+PRECISIONS = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+"""Bytes per parameter, gradient and optimizer state per trainable parameter (Adam; bf16 adds an fp32 master)."""
+
+
+# ------------------------------------------------------------------------------------------------ the paper's scale
+@dataclass(frozen=True)
+class PaperModel:
+    """A LLaMA model shape, for the paper-scale tables."""
+
+    name: str
+    """Display name."""
+    num_params: float
+    """Psi."""
+    layers: int
+    """Transformer blocks: the units."""
+    hidden: int
+    """Hidden size."""
+    vocab: int = 32000
+    """Vocabulary size (untied input embedding and output head form the root unit)."""
+
+    @property
+    def root_fraction(self) -> float:
+        """Share of the parameters in the embedding, the head and the final norm."""
+        return (2 * self.vocab * self.hidden + self.hidden) / self.num_params
+
+    def activation_bytes_per_token(self) -> float:
+        """bf16 activations with full activation checkpointing: every block's input (2 h bytes per block) plus one
+        block's recomputed activations (about 34 h bytes, flash attention: no s^2 term)."""
+        return 2 * self.hidden * self.layers + 34 * self.hidden
+
+
+LLAMA_7B = PaperModel("LLaMA-7B", 6.74e9, 32, 4096)
+LLAMA_65B = PaperModel("LLaMA-65B", 65.2e9, 80, 8192)
+PAPER_SETTINGS = ((LLAMA_7B, 32), (LLAMA_65B, 64), (LLAMA_65B, 128))
+"""(model, GPUs) of the paper's large-scale runs; 8 GPUs per node."""
+PAPER_INTER_NODE_GBPS = (100, 200, 400)
+"""Network bandwidth per node, shared by its 8 GPUs."""
+PAPER_DEVICE = dict(device_memory=80 * GB, intra=Link.gbit(2400, 10), flops_per_second=125e12,
+                    memory_bandwidth=2.0e12, memory_budget=0.9)
+"""A100-80GB: NVLink 300 GB/s per direction, 125 TFLOP/s achieved (40% of bf16 peak), 2 TB/s memory; declared
+activations, so 90% of the memory may be planned."""
+
+
+def paper_scale_plan(model: PaperModel, gpus: int, inter_node_gbps: float, accumulation: int = 4,
+                     tokens_per_micro_batch: int = 2048, gpus_per_node: int = 8) -> Plan:
+    """The plan for one of the paper's settings: bf16 Adam (K = 12), one 2048-token sequence per micro-step."""
+    workload = Workload(model.num_params, model.num_params, accumulation=accumulation, num_units=model.layers,
+                        root_fraction=model.root_fraction, tokens_per_micro_batch=tokens_per_micro_batch,
+                        param_bytes=2, grad_bytes=2, optim_bytes=12,
+                        activation_bytes_per_token=model.activation_bytes_per_token())
+    inter = Link.gbit(inter_node_gbps / gpus_per_node, 20)  # all 8 GPUs of a node cross its network at once
+    cluster = Cluster(gpus, gpus_per_node, PAPER_DEVICE["intra"], inter, PAPER_DEVICE["device_memory"])
+    compute = Compute(flops_per_second=PAPER_DEVICE["flops_per_second"],
+                      memory_bandwidth=PAPER_DEVICE["memory_bandwidth"])
+    return plan(workload, cluster, compute, PAPER_DEVICE["memory_budget"])
+
+
+def paper_scale_rows(inter_node_gbps: tuple[float, ...] = PAPER_INTER_NODE_GBPS) -> list[dict]:
+    """One row per (setting, strategy): model-state and total GB per rank, whether it fits, and predicted tokens/s
+    per GPU at each network bandwidth (keys ``tokens_per_s@<gbps>``, ``chosen@<gbps>``)."""
+    rows = []
+    for model, gpus in PAPER_SETTINGS:
+        plans = {bw: paper_scale_plan(model, gpus, bw) for bw in inter_node_gbps}
+        for strategy in VALID_STRATEGIES:
+            first = plans[inter_node_gbps[0]].candidate(strategy)
+            row = {"setting": f"{model.name} on {gpus} GPUs", "strategy": strategy,
+                   "states_gb": first.prediction.memory.model_states / GB,
+                   "total_gb": first.prediction.memory.total / GB, "fits": first.fits}
+            for bw, p in plans.items():
+                c = p.candidate(strategy)
+                row[f"tokens_per_s@{bw:g}"] = c.prediction.tokens_per_second
+                row[f"chosen@{bw:g}"] = p.choice == strategy
+            rows.append(row)
+    return rows
+
+
+def paper_scale_markdown(inter_node_gbps: tuple[float, ...] = PAPER_INTER_NODE_GBPS) -> str:
+    """The paper-scale tables as markdown: one per setting, the chosen strategy in bold at each bandwidth."""
+    rows = paper_scale_rows(inter_node_gbps)
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        out.append(f"**{setting}** (8 per node; predicted tokens/s per GPU at the given network bandwidth per node)\n")
+        head = ["strategy", "known as", "model states GB", "total GB", "fits"] + [f"{bw:g} Gbit/s" for bw in
+                                                                                   inter_node_gbps]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in (r for r in rows if r["setting"] == setting):
+            cells = [r["strategy"], KNOWN_AS.get(r["strategy"], ""), f"{r['states_gb']:.1f}", f"{r['total_gb']:.1f}",
+                     "yes" if r["fits"] else "no"]
+            for bw in inter_node_gbps:
+                text = f"{r[f'tokens_per_s@{bw:g}']:,.0f}"
+                cells.append(f"**{text}**" if r[f"chosen@{bw:g}"] else text)
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lightning_paro.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--paper-scale", action="store_true", help="print the paper-scale tables and exit")
+    p.add_argument("--params", type=float, help="Psi: number of parameters, e.g. 7e9")
+    p.add_argument("--trainable", type=float, default=1.0, help="trainable fraction Psi'/Psi (PEFT: e.g. 0.01)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node")
+    p.add_argument("--group-size", type=int, default=None, help="m, ranks per group (default: --gpus-per-node)")
+    p.add_argument("--intra-gbps", type=float, default=2400, help="intra-group bandwidth per rank, Gbit/s")
+    p.add_argument("--inter-gbps", type=float, default=200, help="inter-group bandwidth per rank, Gbit/s")
+    p.add_argument("--inter-per-node", action="store_true",
+                   help="--inter-gbps is per node, shared by the ranks of a group")
+    p.add_argument("--intra-latency-us", type=float, default=10, help="latency per ring step inside a group")
+    p.add_argument("--inter-latency-us", type=float, default=20, help="latency per ring step between groups")
+    p.add_argument("--device-memory-gib", type=float, default=80, help="memory per rank, GiB")
+    p.add_argument("--memory-budget", type=float, default=DEFAULT_MEMORY_BUDGET,
+                   help="fraction of memory (<= 1) or bytes (> 1) for states, in-flight buffers and activations")
+    p.add_argument("--accumulate", type=int, default=1, help="A: micro-steps per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-step per rank")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s per rank (compute estimate)")
+    p.add_argument("--micro-step-seconds", type=float, default=None, help="measured compute time of a micro-step")
+    p.add_argument("--memory-bandwidth-gbs", type=float, default=2000, help="device memory GB/s (optimizer update)")
+    p.add_argument("--units", type=int, default=32, help="L: repeated blocks (transformer layers)")
+    p.add_argument("--root-fraction", type=float, default=0.04, help="share of parameters outside the blocks")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
+                   help="bf16: 2/2/12 bytes (fp32 master); fp32: 4/4/8 bytes per parameter/gradient/optimizer")
+    p.add_argument("--optim-bytes", type=int, default=None, help="override K, optimizer bytes per trainable param")
+    p.add_argument("--activation-bytes-per-token", type=float, default=0.0, help="activation memory per token")
+    p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (the strategy's prefetch)")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    return p
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """Build the cost model's inputs from parsed arguments and plan."""
+    if args.params is None:
+        raise SystemExit("error: --params is required (the number of parameters, e.g. 7e9), or use --paper-scale.")
+    if not 0 <= args.trainable <= 1:
+        raise SystemExit(f"error: --trainable is the trainable fraction, in [0, 1]; got {args.trainable}.")
+    n = args.nodes * args.gpus_per_node
+    m = args.group_size or args.gpus_per_node
+    if n % m:
+        raise SystemExit(f"error: --group-size {m} must divide the {n} ranks.")
+    inter_gbps = args.inter_gbps / m if args.inter_per_node else args.inter_gbps
+    pb, gb, kb = PRECISIONS[args.precision]
+    tokens = args.micro_batch * args.seq_len
+    try:
+        workload = Workload(args.params, args.params * args.trainable, accumulation=args.accumulate,
+                            num_units=args.units, root_fraction=args.root_fraction if args.units else 1.0,
+                            tokens_per_micro_batch=tokens, param_bytes=pb, grad_bytes=gb,
+                            optim_bytes=args.optim_bytes if args.optim_bytes is not None else kb,
+                            activation_bytes_per_token=args.activation_bytes_per_token)
+        cluster = Cluster(n, m, Link.gbit(args.intra_gbps, args.intra_latency_us),
+                          Link.gbit(inter_gbps, args.inter_latency_us), args.device_memory_gib * GIB)
+        compute = Compute(micro_step_seconds=args.micro_step_seconds,
+                          flops_per_second=args.tflops * 1e12 if args.tflops else None,
+                          memory_bandwidth=args.memory_bandwidth_gbs * 1e9)
+        return plan(workload, cluster, compute, args.memory_budget, args.prefetch)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.paper_scale:
+        print(paper_scale_markdown())
+        return 0
+    result = plan_from_args(args)
+    print(format_plan(result, markdown=args.markdown))
+    if args.tflops is None and args.micro_step_seconds is None:
+        print("note: no --tflops or --micro-step-seconds: the ranking assumes no communication hides behind compute.")
+    return 0 if result.choice else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
