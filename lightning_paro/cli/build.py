@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_paro import PaROStrategy
@@ -108,7 +109,13 @@ def build_trainer(cfg: Config, *, callbacks: Sequence[L.Callback] = (), logger: 
     if run_val:
         kwargs.update(val_check_interval=steps * t.accumulate_grad_batches, check_val_every_n_epoch=None)
     kwargs.update(overrides)
-    return L.Trainer(**kwargs)
+    try:
+        return L.Trainer(**kwargs)
+    except (ValueError, MisconfigurationException) as exc:
+        # Raised while Lightning resolves accelerator, devices and strategy, before any process starts: these are
+        # the trainer group's values not fitting this machine or each other (e.g. no GPU, a group size that does
+        # not divide the devices "auto" found).
+        raise ConfigError("trainer", str(exc).strip().splitlines()[0]) from None
 
 
 def build_model(cfg: Config) -> GPTTask:

@@ -25,6 +25,7 @@ from lightning_paro.cli.task import CHECKPOINT_MODEL_KEY, FileBytes, GPTTask, sp
 WEIGHTS_FILE = "weights.ckpt"
 SUMMARY_FILE = "summary.json"
 BENCH_FILE = "bench.json"
+PREDICT_FILE = "predict.json"
 PREDICTIONS_DIR = "predictions"
 
 
@@ -42,6 +43,10 @@ def predictions_dir(cfg: Config) -> Path:
         path = Path(cfg.predict.output_dir).expanduser()
         return path if path.is_absolute() else Path.cwd() / path
     return Path(cfg.run.dir) / PREDICTIONS_DIR
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("" if n == 1 else "es")
 
 
 def _strategy_stats(strategy: Any) -> dict[str, Any]:
@@ -90,7 +95,7 @@ class FitReport(L.Callback):
         if hasattr(trainer.strategy, "summary"):
             print("\n" + trainer.strategy.summary(), flush=True)
         first, last = (step_losses[0], step_losses[-1]) if step_losses else (float("nan"), float("nan"))
-        print(f"\n{summary['strategy']} on {summary['world_size']} processes: {trainer.global_step} optimizer steps in"
+        print(f"\n{summary['strategy']} on {_processes(summary['world_size'])}: {trainer.global_step} optimizer steps in"
               f" {summary['seconds']} s, loss {first:.3f} -> {last:.3f} (rank 0)"
               + (f", held-out bits per byte {summary['val_bits_per_byte']:.3f}" if val is not None else ""), flush=True)
 
@@ -99,9 +104,9 @@ def fit(cfg: Config) -> None:
     """Train, save the weights to run.dir/weights.ckpt, report in run.dir/summary.json."""
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(cfg, callbacks=[FitReport(cfg)], logger=CSVLogger(str(run_dir), name="logs"))
     model = build_model(cfg)
     train, val = train_loaders(cfg.data, cfg.model.seq_len)
-    trainer = build_trainer(cfg, callbacks=[FitReport(cfg)], logger=CSVLogger(str(run_dir), name="logs"))
     trainer.fit(model, train, val)
     ckpt = run_dir / WEIGHTS_FILE
     trainer.save_checkpoint(ckpt, weights_only=True)  # collective under sharding strategies: every rank calls it
@@ -176,6 +181,8 @@ def predict(cfg: Config) -> Optional[dict]:
     mean = sum(r["bits_per_byte"] * r["bytes_scored"] for r in table) / max(1, sum(r["bytes_scored"] for r in table))
     result = {"files": len(table), "bits_per_byte": mean, "checkpoint": str(ckpt), "output_dir": str(out),
               "easiest": scores[0]["path"] if scores else None, "hardest": scores[-1]["path"] if scores else None}
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.run.dir) / PREDICT_FILE).write_text(json.dumps(result, indent=2))
     print(f"scored {len(table)} held-out files with {ckpt.name}: {mean:.3f} bits per byte"
           f" (easiest {result['easiest']}, hardest {result['hardest']})\npredictions: {out}"
           f" (read them with lightning_paro.predict.read_predictions)", flush=True)
@@ -215,16 +222,16 @@ class StepTimer(L.Callback):
         (Path(c.run.dir) / BENCH_FILE).write_text(json.dumps(result, indent=2))
         traffic = (f", {result['intra_bytes_per_step'] / 1e6:.2f} MB intra + {result['inter_bytes_per_step'] / 1e6:.2f}"
                    " MB inter per step per rank" if "intra_bytes_per_step" in result else "")
-        print(f"bench {result['strategy']} on {trainer.world_size} processes: {result['tokens_per_s']} tokens/s over"
+        print(f"bench {result['strategy']} on {_processes(trainer.world_size)}: {result['tokens_per_s']} tokens/s over"
               f" {steps} optimizer steps ({tokens_per_step} tokens each){traffic}", flush=True)
 
 
 def bench(cfg: Config) -> None:
     """Train bench.warmup_steps + bench.steps optimizer steps and report the timed steps' tokens per second."""
-    model = build_model(cfg)
-    train, _ = train_loaders(cfg.data, cfg.model.seq_len)
     trainer = build_trainer(cfg, callbacks=[StepTimer(cfg)], max_steps=cfg.bench.warmup_steps + cfg.bench.steps,
                             validate=False)
+    model = build_model(cfg)
+    train, _ = train_loaders(cfg.data, cfg.model.seq_len)
     trainer.fit(model, train)
 
 

@@ -91,8 +91,6 @@ STRATEGY_SCHEMAS: dict[str, type] = {
 }
 """``strategy.name`` -> the dataclass that checks that node."""
 
-StrategyConfig = Any  # one of the three strategy dataclasses, chosen by ``strategy.name``
-
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = (None, "gloo", "nccl")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -79,7 +78,7 @@ def job_command(command: str, job: SweepJob, config_dir: Optional[Path]) -> list
 
 
 def _job_result(command: str, run_dir: str) -> dict:
-    name = {"fit": "summary.json", "bench": "bench.json"}.get(command)
+    name = {"fit": "summary.json", "bench": "bench.json", "predict": "predict.json"}.get(command)
     path = Path(run_dir) / name if name else None
     if path is not None and path.is_file():
         return json.loads(path.read_text())
@@ -89,6 +88,8 @@ def _job_result(command: str, run_dir: str) -> dict:
 def _headline(command: str, result: dict) -> str:
     if command == "bench" and result.get("tokens_per_s") is not None:
         return f"{result['tokens_per_s']:.0f} tokens/s"
+    if command == "predict" and result.get("bits_per_byte") is not None:
+        return f"{result['bits_per_byte']:.3f} bits per byte over {result['files']} files"
     if command == "fit" and result.get("loss_per_step_rank0"):
         text = f"final loss {result['loss_per_step_rank0'][-1]:.3f}"
         if "inter_bytes_per_step" in result:
@@ -104,8 +105,7 @@ def run_sweep(command: str, overrides: Sequence[str], config_dir: Optional[Path]
     for job in jobs:
         label = " ".join(job.swept) or "(no swept keys)"
         print(f"[sweep] job {job.index + 1}/{len(jobs)}: {label} -> {job.run_dir}", flush=True)
-        env = {**os.environ}
-        completed = subprocess.run(job_command(command, job, config_dir), env=env)
+        completed = subprocess.run(job_command(command, job, config_dir))
         result = _job_result(command, job.run_dir)
         rows.append({"job": job.index, "overrides": list(job.swept), "run_dir": job.run_dir,
                      "exit_code": completed.returncode, "result": result})

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -110,13 +109,11 @@ def test_fit_under_torchrun(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args,key", [
-    (["fit", "strategy.sharding=XYZ"], "strategy.sharding"),
-    (["fit", "-m", "strategy=paro,nope"], "strategy"),
-])
-def test_a_config_error_is_one_line_from_the_entry_point(tmp_path, args, key):
-    done = run_cli(args, tmp_path, timeout=100)
-    assert done.returncode == 2
+def test_a_config_error_is_one_line_from_the_entry_point(tmp_path):
+    # a sweep whose second job has a bad value: refused before the first job starts (the other errors are
+    # checked in-process in test_config.py, through the same main())
+    done = run_cli(["fit", "-m", "strategy.sharding=NIG,XYZ"], tmp_path, timeout=100)
+    assert done.returncode == 2 and done.stdout == ""
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"lightning-paro: error: {key}: "), done.stderr
+    assert len(lines) == 1 and lines[0].startswith("lightning-paro: error: strategy.sharding: 'XYZ'"), done.stderr
     assert not (tmp_path / "runs").exists()  # nothing ran

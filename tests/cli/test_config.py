@@ -207,3 +207,18 @@ def test_predict_reads_a_sharded_checkpoint_directory(tmp_path):
     loaded = read_checkpoint(directory)
     assert loaded["global_step"] == 7 and set(loaded["state_dict"]) == set(state)
     assert all(torch.equal(loaded["state_dict"][k], v) for k, v in state.items())
+
+
+def test_a_trainer_lightning_refuses_is_one_line(tmp_path, capsys):
+    # devices=auto is one CPU process, which a group of 3 cannot divide: found when Lightning builds the Trainer
+    argv = ["fit", "trainer.accelerator=cpu", "trainer.devices=auto", "strategy.group_size=3", f"run.dir={tmp_path}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lightning-paro: error: trainer: ") and "group_size=3" in err[0], err
+
+
+def test_a_sweep_is_refused_under_torchrun(monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert main(["fit", "-m", "strategy.sharding=NIG,GGG"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lightning-paro: error: -m: ") and "torchrun" in err[0]
