@@ -1,0 +1,165 @@
+"""sharding="auto": the plan's table and choice, the link fit, memory reading, the model description, the plan
+command, and the start-up probe on 4 gloo processes (2 groups of 2)."""
+
+import json
+import math
+
+import pytest
+import torch
+from launch import launch
+from torch import nn
+
+from lightning_paro.plan import main as plan_main
+from lightning_paro.strategy.auto import (
+    available_host_memory,
+    device_memory_bytes,
+    fit_link,
+    format_plan,
+    memory_budget_bytes,
+    optimizer_states_per_param,
+    plan,
+    workload_from_module,
+)
+from lightning_paro.strategy.cost_model import Cluster, Compute, Link, Workload
+from lightning_paro.strategy.levels import VALID_STRATEGIES
+
+W = Workload(1e9, 1e9, accumulation=4, num_units=16, root_fraction=0.05, tokens_per_micro_batch=1024,
+             param_bytes=2, grad_bytes=2, optim_bytes=12)
+C = Cluster(16, 4, Link.gbit(800, 5), Link.gbit(10, 30), 16e9)
+COMPUTE = Compute(flops_per_second=50e12, memory_bandwidth=1e12)
+
+
+def test_plan_picks_the_fastest_that_fits():
+    p = plan(W, C, COMPUTE, memory_budget=0.5)
+    assert p.budget_bytes == 8e9
+    assert sorted(c.strategy for c in p.candidates) == sorted(VALID_STRATEGIES)
+    times = [c.prediction.step_seconds for c in p.candidates]
+    assert times == sorted(times)
+    for c in p.candidates:
+        assert c.fits == (c.prediction.memory.total <= 8e9)
+    fitting = [c for c in p.candidates if c.fits]
+    assert p.choice == fitting[0].strategy and "chosen" in p.candidate(p.choice).why
+    assert all("does not fit" in c.why for c in p.candidates if not c.fits)
+    assert p.choice in p.reason
+
+
+def test_memory_budget_fraction_or_bytes():
+    assert memory_budget_bytes(0.25, 8e9) == 2e9
+    assert memory_budget_bytes(3e9, 8e9) == 3e9
+    for bad in (0, -1, True, "half"):
+        with pytest.raises(ValueError, match="memory_budget"):
+            memory_budget_bytes(bad, 8e9)
+
+
+def test_strategies_can_be_restricted_and_nothing_fitting_says_what_to_change():
+    p = plan(W, C, COMPUTE, memory_budget=1e6, strategies=("nnn", "ggg"))
+    assert sorted(c.strategy for c in p.candidates) == ["GGG", "NNN"]
+    assert p.choice is None and "GGG" in p.reason and "Raise memory_budget" in p.reason
+
+
+def test_format_plan_lists_every_candidate_and_the_choice():
+    p = plan(W, C, COMPUTE)
+    text = format_plan(p)
+    assert all(s in text for s in VALID_STRATEGIES) and f"choice: {p.choice}." in text
+    md = format_plan(p, markdown=True)
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 14  # header and one row per strategy
+    assert "|---|" in md
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    link = Link(2e9, 5e-5)
+    k = 4
+
+    def t(nbytes):
+        return (k - 1) * link.latency + (k - 1) / k * nbytes / link.bandwidth
+
+    fitted = fit_link(k, 4096, t(4096), 4 * 2**20, t(4 * 2**20))
+    assert fitted.bandwidth == pytest.approx(2e9) and fitted.latency == pytest.approx(5e-5)
+    noisy = fit_link(k, 4096, 1.0, 4 * 2**20, 0.5)  # large no slower than small: bandwidth from the large alone
+    assert noisy.latency == 0 and noisy.bandwidth == pytest.approx(0.75 * 4 * 2**20 / 0.5)
+
+
+def test_host_memory_is_shared_by_the_ranks_on_it(tmp_path):
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       25165824 kB\nMemFree:         1000 kB\nMemAvailable:   20971520 kB\n")
+    assert available_host_memory(info) == 20 * 2**30
+    (tmp_path / "bad").write_text("MemTotal: 1 kB\n")
+    with pytest.raises(RuntimeError, match="device_memory"):
+        available_host_memory(tmp_path / "bad")
+    assert 0 < device_memory_bytes("cpu", 4) <= available_host_memory() // 4 + 1
+    with pytest.raises(ValueError, match="device_memory"):
+        device_memory_bytes("meta")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(8, 10, bias=False)
+
+
+def test_workload_from_module_matches_the_engine_view():
+    net = Net()
+    net.blocks[2].requires_grad_(False)
+    opt = torch.optim.AdamW(p for p in net.parameters() if p.requires_grad)
+    w = workload_from_module(net, [opt], accumulation=3)
+    block = 8 * 16 + 16 + 16 * 8 + 8
+    assert w.num_params == 80 + 3 * block + 80 and w.num_trainable == 80 + 2 * block + 80
+    assert w.num_units == 3 and w.root_fraction == pytest.approx(160 / w.num_params)
+    assert (w.param_bytes, w.grad_bytes, w.optim_bytes, w.accumulation) == (4, 4, 8, 3)
+    net16 = Net().to(torch.bfloat16)
+    w16 = workload_from_module(net16, [torch.optim.Adam(net16.parameters())])
+    assert (w16.param_bytes, w16.optim_bytes) == (2, 12)  # fp32 Adam states and a separate fp32 master
+    assert w16.num_trainable == w16.num_params
+    frozen = workload_from_module(Net(), [])
+    assert frozen.num_trainable == 0 and frozen.optim_bytes == 0
+
+
+def test_optimizer_states_per_param():
+    p = [nn.Parameter(torch.zeros(2))]
+    assert optimizer_states_per_param(torch.optim.SGD(p, lr=0.1)) == 0
+    assert optimizer_states_per_param(torch.optim.SGD(p, lr=0.1, momentum=0.9)) == 1
+    assert optimizer_states_per_param(torch.optim.AdamW(p)) == 2
+    assert optimizer_states_per_param(torch.optim.RMSprop(p, momentum=0.9, centered=True)) == 3
+
+
+def test_plan_command(capsys):
+    argv = ["--params", "7e9", "--trainable", "1.0", "--nodes", "4", "--gpus-per-node", "8", "--intra-gbps", "2400",
+            "--inter-gbps", "200", "--device-memory-gib", "80", "--accumulate", "4", "--tflops", "125"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(s in out for s in VALID_STRATEGIES) and "choice: " in out and "n=32 ranks in groups of m=8" in out
+    assert plan_main(argv[:-2] + ["--device-memory-gib", "1"]) == 1  # nothing fits 70% of 1 GiB
+    assert "choice: none" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--params is required"):
+        plan_main([])
+    with pytest.raises(SystemExit, match="must divide"):
+        plan_main(["--params", "1e9", "--nodes", "3", "--gpus-per-node", "2", "--group-size", "4"])
+    assert plan_main(["--paper-scale"]) == 0
+    assert "LLaMA-65B on 128 GPUs" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_probe_and_plan_on_four_gloo_processes(tmp_path):
+    launch("auto_probe.py", 4, str(tmp_path), "2", timeout=200)
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    first = results[0]
+    for r in results:  # every rank plans with the same figures, so they agree on the strategy
+        assert r["links"] == first["links"] and r["memory"] == first["memory"]
+        assert r["choice"] == first["choice"] and r["candidates"] == first["candidates"]
+        assert r["measured_choice"] == first["measured_choice"]
+    for scope in ("intra", "inter"):
+        link = first["links"][scope]
+        assert 0 < link["bandwidth"] < math.inf and link["latency"] >= 0
+    assert first["choice"] in VALID_STRATEGIES and first["measured_choice"] in VALID_STRATEGIES
+    assert 0 < first["memory"] and first["budget"] == pytest.approx(0.7 * first["memory"])
+    w = first["workload"]
+    assert w["num_units"] == 3 and w["num_trainable"] < w["num_params"] and w["accumulation"] == 4
+    assert "No compute time was given" in first["measured_reason"]

@@ -1,0 +1,54 @@
+"""One rank of the start-up planning test: probe the links, read the memory, plan for a small model.
+
+Usage: auto_probe.py OUT_DIR GROUP_SIZE. Writes OUT_DIR/<rank>.json.
+"""
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_paro.comm.topology import Topology
+from lightning_paro.strategy.auto import AutoConfig, plan_for_job, probe_links
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def main() -> None:
+    out, group_size = Path(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("gloo")
+    topo = Topology(world_size=dist.get_world_size(), group_size=group_size, rank=dist.get_rank())
+    start = time.perf_counter()
+    links = probe_links(topo)
+    probe_seconds = time.perf_counter() - start
+    model = nn.Sequential(nn.Embedding(100, 64), *(Block() for _ in range(3)), nn.Linear(64, 100))
+    model[-1].requires_grad_(False)
+    opt = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+    result = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size,
+                          config=AutoConfig(intra=links.intra, inter=links.inter, micro_step_seconds=0.01))
+    measured = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
+    dist.barrier()
+    (out / f"{topo.rank}.json").write_text(json.dumps({
+        "links": dataclasses.asdict(links), "probe_seconds": probe_seconds,
+        "choice": result.choice, "budget": result.budget_bytes, "memory": result.cluster.device_memory,
+        "workload": dataclasses.asdict(result.workload),
+        "candidates": [c.strategy for c in result.candidates],
+        "measured_choice": measured.choice, "measured_reason": measured.reason,
+    }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
