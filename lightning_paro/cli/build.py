@@ -77,7 +77,8 @@ def build_strategy(cfg: Config) -> Strategy:
     if isinstance(s, FSDP2StrategyConfig):
         world = world_size(cfg.trainer)
         if world is None:
-            raise ConfigError("trainer.devices", f"strategy={s.name} needs a number of devices, not {cfg.trainer.devices!r}")
+            raise ConfigError("trainer.devices",
+                              f"strategy={s.name} needs a number of devices, not {cfg.trainer.devices!r}")
         group = (s.group_size or cfg.trainer.devices) if s.name == "hsdp" else None
         if group is not None and world % group:
             raise ConfigError("strategy.group_size", f"{group} does not divide the world size {world}")

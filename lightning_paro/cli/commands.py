@@ -7,6 +7,7 @@ whichever way the processes were started: Lightning's subprocess launcher, spawn
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -95,8 +96,8 @@ class FitReport(L.Callback):
         if hasattr(trainer.strategy, "summary"):
             print("\n" + trainer.strategy.summary(), flush=True)
         first, last = (step_losses[0], step_losses[-1]) if step_losses else (float("nan"), float("nan"))
-        print(f"\n{summary['strategy']} on {_processes(summary['world_size'])}: {trainer.global_step} optimizer steps in"
-              f" {summary['seconds']} s, loss {first:.3f} -> {last:.3f} (rank 0)"
+        print(f"\n{summary['strategy']} on {_processes(summary['world_size'])}: {trainer.global_step} optimizer"
+              f" steps in {summary['seconds']} s, loss {first:.3f} -> {last:.3f} (rank 0)"
               + (f", held-out bits per byte {summary['val_bits_per_byte']:.3f}" if val is not None else ""), flush=True)
 
 
@@ -151,6 +152,14 @@ def load_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
     return checkpoint["state_dict"]
 
 
+def _predict_device(cfg: Config) -> Any:
+    """One device per worker: under torchrun (LOCAL_RANK set) each worker takes its own GPU, not all the first."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and cfg.trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return [int(local_rank)]
+    return 1
+
+
 def predict(cfg: Config) -> Optional[dict]:
     """Score the held-out files with the fitted weights; per-file bits per byte go to Parquet via ElasticPredict.
 
@@ -169,9 +178,10 @@ def predict(cfg: Config) -> Optional[dict]:
     out.mkdir(parents=True, exist_ok=True)
     elastic = ElasticPredict(output_dir=str(out), id_column="path", shard_size=p.shard_size, format=p.format,
                              ledger=p.ledger, lease_ttl_s=p.lease_ttl_s, max_failed_rows=p.max_failed_rows)
-    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
-                        logger=False, callbacks=[elastic], enable_progress_bar=cfg.trainer.enable_progress_bar,
-                        enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=_predict_device(cfg),
+                        precision=cfg.trainer.precision, logger=False, callbacks=[elastic],
+                        enable_progress_bar=cfg.trainer.enable_progress_bar, enable_model_summary=False,
+                        enable_checkpointing=False)
     trainer.predict(model, dataloaders=loader)
     if elastic.manifest is None:  # another worker is still on the job; whoever finishes last writes the manifest
         print(f"this worker's shards are committed; the job in {out} completes with the other workers", flush=True)

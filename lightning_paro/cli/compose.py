@@ -93,6 +93,13 @@ def _compose(directory: Path, overrides: Sequence[str]) -> DictConfig:
 
 def load_config(overrides: Sequence[str], config_dir: Optional[Path] = None, cwd: Optional[Path] = None) -> Config:
     """The checked configuration for ``overrides``, with ``run.dir`` made absolute against ``cwd``."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0].strip()
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            # the compose API has no run directories, logging set-up or launcher plugins: such an override would be
+            # accepted and then silently ignored
+            raise ConfigError(key, "Hydra's own settings do not apply to this command line; outputs go to run.dir"
+                                   " (e.g. run.dir=outputs/exp1) and sweeps use -m")
     raw = compose_raw(overrides, config_dir)
     cfg = to_config(raw)
     check_config(cfg)
@@ -155,7 +162,8 @@ def check_config(cfg: Config) -> None:
     if t.precision not in PRECISIONS:
         raise ConfigError("trainer.precision", f"{t.precision!r} is not one of {', '.join(PRECISIONS)}")
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
-        raise ConfigError("trainer.gradient_clip_val", f"{t.gradient_clip_val} must be positive, or null for no clipping")
+        raise ConfigError("trainer.gradient_clip_val",
+                          f"{t.gradient_clip_val} must be positive, or null for no clipping")
     _check_strategy(cfg)
     m = cfg.model
     for key in ("vocab", "seq_len", "dim", "heads", "layers"):
@@ -209,7 +217,8 @@ def _check_strategy(cfg: Config) -> None:
             raise ConfigError("strategy.state_dict_type", f"{s.state_dict_type!r} is not full or sharded")
         if s.prefetch < 0:
             raise ConfigError("strategy.prefetch", f"{s.prefetch} must be 0 (no prefetch) or more")
-        if not (s.units == "auto" or (isinstance(s.units, list) and s.units and all(isinstance(u, str) for u in s.units))):
+        names = isinstance(s.units, list) and s.units and all(isinstance(u, str) for u in s.units)
+        if not (s.units == "auto" or names):
             raise ConfigError("strategy.units", f"{s.units!r} must be auto or a list of dotted module class names")
         if cfg.trainer.precision == "16-mixed":
             raise ConfigError("trainer.precision", "16-mixed is refused by PaRO (per-shard inf checks); use bf16-mixed")

@@ -129,7 +129,8 @@ def run(invocation: Invocation) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``lightning-paro`` and ``python -m lightning_paro``: exit code 2 with one line on config errors."""
+    """Entry point of ``lightning-paro`` and ``python -m lightning_paro``; exit code 2 and one line on a config
+    error."""
     try:
         return run(parse_args(sys.argv[1:] if argv is None else argv))
     except ConfigError as exc:

@@ -116,5 +116,6 @@ def run_sweep(command: str, overrides: Sequence[str], config_dir: Optional[Path]
     print(f"\n[sweep] {command}: {len(rows)} jobs" + (f" (results in {sweep_dir / 'sweep.json'})" if sweep_dir else ""))
     for row in rows:
         status = "ok" if row["exit_code"] == 0 else f"FAILED (exit {row['exit_code']})"
-        print(f"  {row['job']}: {' '.join(row['overrides']) or '-':40s} {status:18s} {_headline(command, row['result'])}")
+        swept = " ".join(row["overrides"]) or "-"
+        print(f"  {row['job']}: {swept:40s} {status:18s} {_headline(command, row['result'])}")
     return 0 if all(row["exit_code"] == 0 for row in rows) else 1

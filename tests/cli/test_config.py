@@ -109,6 +109,8 @@ BAD = [
     (["model.dim=30", "model.heads=4"], "model.dim", "heads"),
     (["predict.format=csv"], "predict.format", "parquet"),
     (["strategy=hsdp", "strategy.group_size=3", "trainer.devices=4"], "strategy.group_size", "divide"),
+    (["hydra.run.dir=outputs/x"], "hydra.run.dir", "run.dir"),
+    (["hydra.job.chdir=true"], "hydra.job.chdir", "run.dir"),
 ]
 
 
