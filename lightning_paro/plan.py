@@ -13,8 +13,10 @@ on 64 and 128, 8 per node, NVLink inside, 100/200/400 Gbit/s per node between no
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from lightning_paro.strategy.auto import DEFAULT_MEMORY_BUDGET, GB, Plan, format_plan, plan
 from lightning_paro.strategy.cost_model import Cluster, Compute, Link, Workload
@@ -118,11 +120,52 @@ def paper_scale_markdown(inter_node_gbps: tuple[float, ...] = PAPER_INTER_NODE_G
     return "\n".join(out)
 
 
+def plot_paper_scale(path: str, inter_node_gbps: tuple[float, ...] = PAPER_INTER_NODE_GBPS) -> None:
+    """Save a figure of the paper-scale predictions: tokens/s per GPU (top) and memory per GPU (bottom) per strategy,
+    one column per setting; strategies that do not fit are drawn faded. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as err:
+        raise SystemExit("error: --plot needs matplotlib (pip install matplotlib).") from err
+    rows = paper_scale_rows(inter_node_gbps)
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    fig, axes = plt.subplots(2, len(settings), figsize=(6 * len(settings), 7), squeeze=False)
+    width = 0.8 / len(inter_node_gbps)
+    for col, setting in enumerate(settings):
+        mine = [r for r in rows if r["setting"] == setting]
+        x = range(len(mine))
+        top, bottom = axes[0][col], axes[1][col]
+        for k, bw in enumerate(inter_node_gbps):
+            for i, r in enumerate(mine):
+                top.bar(i + (k - (len(inter_node_gbps) - 1) / 2) * width, r[f"tokens_per_s@{bw:g}"], width,
+                        color=f"C{k}", alpha=1.0 if r["fits"] else 0.25)
+        bottom.bar(x, [r["total_gb"] for r in mine], color=["C3" if not r["fits"] else "C7" for r in mine])
+        bottom.axhline(PAPER_DEVICE["memory_budget"] * PAPER_DEVICE["device_memory"] / GB, color="k", ls="--", lw=1,
+                       label="memory budget")
+        bottom.set_yscale("log")
+        for ax in (top, bottom):
+            ax.set_xticks(list(x), [r["strategy"] for r in mine], rotation=90)
+        top.set_title(setting)
+        top.set_ylabel("predicted tokens/s per GPU")
+        bottom.set_ylabel("predicted memory per GPU (GB)")
+        top.legend(handles=[Patch(color=f"C{k}", label=f"{bw:g} Gbit/s per node") for k, bw in enumerate(inter_node_gbps)]
+                   + [Patch(color="C0", alpha=0.25, label="does not fit")], fontsize=8)
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 # ------------------------------------------------------------------------------------------------ command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_paro.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--paper-scale", action="store_true", help="print the paper-scale tables and exit")
+    p.add_argument("--json", default=None, help="with --paper-scale: also write the rows to this JSON file")
+    p.add_argument("--plot", default=None, help="with --paper-scale: also save a figure to this file (matplotlib)")
     p.add_argument("--params", type=float, help="Psi: number of parameters, e.g. 7e9")
     p.add_argument("--trainable", type=float, default=1.0, help="trainable fraction Psi'/Psi (PEFT: e.g. 0.01)")
     p.add_argument("--nodes", type=int, default=1, help="nodes")
@@ -187,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.paper_scale:
         print(paper_scale_markdown())
+        if args.json:
+            Path(args.json).write_text(json.dumps(paper_scale_rows(), indent=1) + "\n")
+        if args.plot:
+            plot_paper_scale(args.plot)
         return 0
     result = plan_from_args(args)
     print(format_plan(result, markdown=args.markdown))
