@@ -152,7 +152,7 @@ def format_plan(result: Plan, markdown: bool = False) -> str:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [head, *body]]
     w, c = result.workload, result.cluster
     header = (f"Psi {w.num_params:.4g} (trainable {w.num_trainable:.4g}), A={w.accumulation}, {w.num_units} units,"
-              f" n={c.world_size} ranks in groups of m={c.group_size}; {describe_links(c.intra, c.inter)};"
+              f" {describe_cluster(c)};"
               f" budget {result.budget_bytes / GB:.2f} of {c.device_memory / GB:.2f} GB per rank")
     return header + "\n\n" + "\n".join(lines) + f"\n\nchoice: {result.choice or 'none'}. {result.reason}"
 
@@ -166,6 +166,8 @@ class MeasuredLinks:
     """Intra-group links (``UNUSED_LINK`` when m = 1)."""
     inter: Link
     """Inter-group links (``UNUSED_LINK`` when g = 1)."""
+    reduce_scatter_factor: float = 1.0
+    """A large reduce-scatter's time over the same all-gather's (slowest scope); 1 when nothing was measured."""
 
 
 def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: float, large_seconds: float) -> Link:
@@ -202,7 +204,18 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     world = topology.groups.world
     scopes = [("intra", topology.group_size), ("inter", topology.num_groups)]
     comm = Communicator(topology, TrafficMeter())
-    times = []
+
+    def timed(run) -> float:
+        run()  # warm-up: connections, allocations
+        _synchronize(device)
+        dist.barrier(group=world)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        _synchronize(device)
+        return (time.perf_counter() - start) / repeats
+
+    times = []  # per scope: small all-gather, large all-gather, large reduce-scatter
     try:
         for scope, k in scopes:
             for nbytes in (small_bytes, large_bytes):
@@ -212,27 +225,26 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
                 elems = max(1, nbytes // (4 * k)) * k
                 out = torch.empty(elems, dtype=torch.float32, device=device)
                 shard = torch.ones(elems // k, dtype=torch.float32, device=device)
-                comm.all_gather(out, shard, scope)  # warm-up: connections, allocations
-                _synchronize(device)
-                dist.barrier(group=world)
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    comm.all_gather(out, shard, scope)
-                _synchronize(device)
-                times.append((time.perf_counter() - start) / repeats)
+                times.append(timed(lambda: comm.all_gather(out, shard, scope)))
+            if k == 1:
+                times.append(0.0)
+            else:
+                times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
     finally:
         comm.close()
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
     t = slowest.tolist()
-    links = []
+    links, factors = [], []
     for i, (_scope, k) in enumerate(scopes):
         if k == 1:
             links.append(UNUSED_LINK)
             continue
         elems_small, elems_large = (max(1, b // (4 * k)) * k for b in (small_bytes, large_bytes))
-        links.append(fit_link(k, 4 * elems_small, t[2 * i], 4 * elems_large, t[2 * i + 1]))
-    return MeasuredLinks(intra=links[0], inter=links[1])
+        small, large, reduce = t[3 * i:3 * i + 3]
+        links.append(fit_link(k, 4 * elems_small, small, 4 * elems_large, large))
+        factors.append(reduce / large if large > 0 else 1.0)
+    return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0))
 
 
 def _synchronize(device) -> None:
@@ -356,6 +368,8 @@ class AutoConfig:
     """Device memory bytes/s for the optimizer update."""
     probe_bytes: int = 4 * 2**20
     """Buffer size of the bandwidth probe's large all-gathers."""
+    reduce_scatter_factor: float | None = None
+    """Reduce-scatter time over all-gather time; None: measured by the probe when it runs, else 1."""
 
 
 def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: int, ranks_on_host: int,
@@ -375,13 +389,14 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
         links = probe_links(topology, device, large_bytes=config.probe_bytes)
     intra = config.intra or links.intra
     inter = config.inter or links.inter
+    factor = config.reduce_scatter_factor or (links.reduce_scatter_factor if links else 1.0)
     memory = config.device_memory
     if memory is None:
         reduce_on = device if device.type == "cuda" else None
         memory = agreed_minimum(device_memory_bytes(device, ranks_on_host), topology.groups.world, reduce_on)
     workload = workload_from_module(module, optimizers, units, accumulation, config.tokens_per_micro_batch,
                                     config.activation_bytes_per_token)
-    cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory)
+    cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor)
     compute = Compute(config.micro_step_seconds, config.flops_per_second if config.tokens_per_micro_batch else None,
                       config.memory_bandwidth)
     result = plan(workload, cluster, compute, config.memory_budget, prefetch)
@@ -399,3 +414,10 @@ def describe_links(intra: Link, inter: Link) -> str:
             return "unused"
         return f"{link.bandwidth * 8 / 1e9:.3g} Gbit/s, {link.latency * 1e6:.3g} us per step"
     return f"intra {one(intra)}; inter {one(inter)}"
+
+
+def describe_cluster(cluster: Cluster) -> str:
+    """One line for the log: ranks, links and the reduce-scatter factor."""
+    return (f"n={cluster.world_size} ranks in groups of m={cluster.group_size}; "
+            f"{describe_links(cluster.intra, cluster.inter)}; reduce-scatter {cluster.reduce_scatter_factor:.2f}x"
+            " an all-gather")

@@ -99,8 +99,13 @@ class Cluster:
     """Links between groups (the network between nodes)."""
     device_memory: float
     """Bytes of memory one rank may use (device memory, or its share of host memory on CPU)."""
+    reduce_scatter_factor: float = 1.0
+    """Time of a reduce-scatter over the time of an all-gather of the same buffer: 1 for ring algorithms (NCCL);
+    about 2 for gloo, whose reduce-scatter moves twice the ideal volume. The start-up probe measures it."""
 
     def __post_init__(self) -> None:
+        if not self.reduce_scatter_factor > 0:
+            raise ValueError(f"reduce_scatter_factor must be > 0, got {self.reduce_scatter_factor!r}.")
         if self.world_size < 1 or self.group_size < 1 or self.world_size % self.group_size:
             raise ValueError(
                 f"group_size={self.group_size} must divide world_size={self.world_size} (n = groups x ranks per group)."
@@ -207,9 +212,10 @@ class Phase:
         return self.steps * self.nbytes / self.ranks
 
     def seconds(self, cluster: Cluster) -> float:
-        """Alpha-beta time: steps * alpha + sent bytes / beta."""
+        """Alpha-beta time: steps * alpha + sent bytes / beta (a reduce-scatter times the cluster's factor)."""
         link = cluster.intra if self.scope == "intra" else cluster.inter
-        return self.steps * link.latency + self.sent_bytes / link.bandwidth
+        t = self.steps * link.latency + self.sent_bytes / link.bandwidth
+        return t * cluster.reduce_scatter_factor if self.op == "reduce_scatter" else t
 
 
 def _phases(*candidates: Phase) -> tuple[Phase, ...]:

@@ -155,10 +155,12 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
         assert r["links"] == first["links"] and r["memory"] == first["memory"]
         assert r["choice"] == first["choice"] and r["candidates"] == first["candidates"]
         assert r["measured_choice"] == first["measured_choice"]
+        assert r["measured_factor"] == first["measured_factor"]
     for scope in ("intra", "inter"):
         link = first["links"][scope]
         assert 0 < link["bandwidth"] < math.inf and link["latency"] >= 0
     assert first["choice"] in VALID_STRATEGIES and first["measured_choice"] in VALID_STRATEGIES
+    assert 0 < first["measured_factor"] < math.inf
     assert 0 < first["memory"] and first["budget"] == pytest.approx(0.7 * first["memory"])
     w = first["workload"]
     assert w["num_units"] == 3 and w["num_trainable"] < w["num_params"] and w["accumulation"] == 4

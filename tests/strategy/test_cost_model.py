@@ -80,6 +80,14 @@ def test_iig_communication_only_by_hand():
     assert terms.total == pytest.approx(45.2e-3)
 
 
+def test_gloo_reduce_scatter_factor_scales_reductions_only():
+    gloo = Cluster(4, 2, SMALL_CLUSTER.intra, SMALL_CLUSTER.inter, 1e9, reduce_scatter_factor=2.0)
+    ring, slow = (predict("IIG", SMALL, c, NO_COMPUTE).terms for c in (SMALL_CLUSTER, gloo))
+    # r and r_root double: 2 micro-steps x (0.8 + 0.8 + 0.4) ms more; the I -> G gradient sync is a reduce-scatter
+    assert slow.exposed_micro_comm == pytest.approx(ring.exposed_micro_comm + 2 * 2.0e-3)
+    assert slow.grad_sync == pytest.approx(2 * ring.grad_sync) and slow.param_sync == ring.param_sync
+
+
 def test_compute_hides_prefetched_gathers_and_overlapped_reductions():
     c = 0.1  # per micro-step: forward 1/3, backward 2/3; 80% of it in the 2 units
     terms = predict("IIG", SMALL, SMALL_CLUSTER, Compute(micro_step_seconds=c, memory_bandwidth=1e9)).terms
