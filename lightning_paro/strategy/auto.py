@@ -105,7 +105,7 @@ def plan(workload: Workload, cluster: Cluster, compute: Compute, memory_budget: 
     choice = fitting[0] if fitting else None
     rows = []
     for p in preds:
-        need = f"{p.memory.total / GB:.1f} of {budget / GB:.1f} GB"
+        need = f"{format_bytes(p.memory.total)} of {format_bytes(budget)}"
         if p.memory.total > budget:
             why = f"does not fit: needs {need}"
         elif p is choice:
@@ -117,8 +117,8 @@ def plan(workload: Workload, cluster: Cluster, compute: Compute, memory_budget: 
     if choice is None:
         smallest = min(preds, key=lambda p: p.memory.total)
         reason = (
-            f"No strategy fits the budget of {budget / GB:.2f} GB per rank: the smallest, {smallest.strategy}, needs"
-            f" {smallest.memory.total / GB:.2f} GB. Raise memory_budget, use more ranks, a smaller micro-batch, or"
+            f"No strategy fits the budget of {format_bytes(budget)} per rank: the smallest, {smallest.strategy}, needs"
+            f" {format_bytes(smallest.memory.total)}. Raise memory_budget, use more ranks, a smaller micro-batch, or"
             " activation checkpointing."
         )
     else:
@@ -126,24 +126,32 @@ def plan(workload: Workload, cluster: Cluster, compute: Compute, memory_budget: 
         reason = f"{choice.strategy}: the fastest strategy that fits ({choice.step_seconds:.4g} s per optimizer step"
         if fastest is not choice:
             reason += (f"; the fastest overall, {fastest.strategy} at {fastest.step_seconds:.4g} s, needs"
-                       f" {fastest.memory.total / GB:.2f} GB of the {budget / GB:.2f} GB budget")
+                       f" {format_bytes(fastest.memory.total)} of the {format_bytes(budget)} budget")
         reason += ")."
     return Plan(tuple(rows), choice.strategy if choice else None, budget, reason, workload, cluster)
 
 
+def format_bytes(nbytes: float) -> str:
+    """Bytes in decimal units with three significant digits, e.g. ``"13.5 GB"``, ``"612 kB"``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def format_plan(result: Plan, markdown: bool = False) -> str:
     """The candidate table and the choice, as aligned text or as a markdown table."""
-    head = ["strategy", "known as", "step s", "tokens/s/rank", "exposed comm s", "intra GB/step", "inter GB/step",
-            "states GB", "in flight GB", "total GB", "fits", "why"]
+    head = ["strategy", "known as", "step s", "tokens/s/rank", "exposed comm s", "intra/step", "inter/step",
+            "model states", "in flight", "total", "fits", "why"]
     body = []
     for c in result.candidates:
         p = c.prediction
         exposed = p.terms.total - p.terms.compute - p.terms.update
         body.append([p.strategy, KNOWN_AS.get(p.strategy, ""), f"{p.step_seconds:.4g}",
                      f"{p.tokens_per_second:,.0f}" if p.tokens_per_step else "-", f"{exposed:.4g}",
-                     f"{p.traffic.intra / GB:.2f}", f"{p.traffic.inter / GB:.2f}",
-                     f"{p.memory.model_states / GB:.2f}", f"{(p.memory.transient + p.memory.activations) / GB:.2f}",
-                     f"{p.memory.total / GB:.2f}", "yes" if c.fits else "no", c.why])
+                     format_bytes(p.traffic.intra), format_bytes(p.traffic.inter),
+                     format_bytes(p.memory.model_states), format_bytes(p.memory.transient + p.memory.activations),
+                     format_bytes(p.memory.total), "yes" if c.fits else "no", c.why])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -152,8 +160,8 @@ def format_plan(result: Plan, markdown: bool = False) -> str:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [head, *body]]
     w, c = result.workload, result.cluster
     header = (f"Psi {w.num_params:.4g} (trainable {w.num_trainable:.4g}), A={w.accumulation}, {w.num_units} units,"
-              f" {describe_cluster(c)};"
-              f" budget {result.budget_bytes / GB:.2f} of {c.device_memory / GB:.2f} GB per rank")
+              f" {describe_cluster(c)}; budget {format_bytes(result.budget_bytes)} of"
+              f" {format_bytes(c.device_memory)} per rank")
     return header + "\n\n" + "\n".join(lines) + f"\n\nchoice: {result.choice or 'none'}. {result.reason}"
 
 

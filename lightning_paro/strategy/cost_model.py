@@ -9,7 +9,8 @@ reduce-scatter of a buffer of ``S`` bytes over ``k`` ranks takes ``k - 1`` steps
     t = (k - 1) * (alpha + S / (k * beta))          (an all-reduce: twice that)
 
 where ``alpha`` is the link's latency per step and ``beta`` the bandwidth one rank gets while every rank of the job
-communicates at once (the figure the start-up probe measures). A global collective runs its inter and intra phases
+communicates at once (the figure the start-up probe measures). A reduce-scatter is multiplied by the cluster's
+``reduce_scatter_factor`` (1 for ring algorithms, about 2 for gloo). A global collective runs its inter and intra phases
 one after the other (the engine's :class:`~lightning_paro.comm.collectives.Communicator`), so its time is the sum.
 
 **Timeline of one micro-step** (the engine issues all collectives of a rank on one first-in-first-out communication

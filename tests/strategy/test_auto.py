@@ -14,6 +14,7 @@ from lightning_paro.strategy.auto import (
     available_host_memory,
     device_memory_bytes,
     fit_link,
+    format_bytes,
     format_plan,
     memory_budget_bytes,
     optimizer_states_per_param,
@@ -64,6 +65,10 @@ def test_format_plan_lists_every_candidate_and_the_choice():
     md = format_plan(p, markdown=True)
     assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 14  # header and one row per strategy
     assert "|---|" in md
+
+
+def test_format_bytes():
+    assert [format_bytes(b) for b in (13.5e9, 612e3, 12, 2.5e12)] == ["13.5 GB", "612 kB", "12 B", "2.5 TB"]
 
 
 def test_fit_link_recovers_alpha_and_beta():
