@@ -186,6 +186,7 @@ def run(name: str, url, rows: int, out: Path, **kwargs) -> dict:
           "read_limit": read_limit}[name]
     if name == "model_limit":
         result = fn(**kwargs)
+        result["rows_per_s"] = min(v for k, v in result.items() if k.endswith("_rows_per_s"))
     else:
         result = fn(url, rows, out, **kwargs) if name != "read_limit" else fn(url, rows, **kwargs)
     if "seconds" in result:

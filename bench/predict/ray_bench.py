@@ -73,7 +73,9 @@ def main() -> None:
 
     out = Path(args.out)
     pid_file = str(out) + ".actor-pids"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    # logical CPUs: the fetch actors mostly wait on the network, so they get a fraction of a CPU each and
+    # the model actor a whole one; 4 logical CPUs leave room for Ray Data's read task on the 2 real cores
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     killed = []
 
     def kill_one_actor() -> None:
@@ -87,8 +89,8 @@ def main() -> None:
         threading.Thread(target=kill_one_actor, daemon=True).start()
     start = time.perf_counter()
     ds = ray.data.range(args.rows, override_num_blocks=max(1, args.rows // 256))
-    ds = ds.map_batches(FetchPreprocess, fn_constructor_args=(args.url,), batch_size=32, concurrency=2)
-    ds = ds.map_batches(Model, fn_constructor_args=(args.multi, pid_file), batch_size=32, concurrency=1)
+    ds = ds.map_batches(FetchPreprocess, fn_constructor_args=(args.url,), batch_size=32, concurrency=2, num_cpus=0.5)
+    ds = ds.map_batches(Model, fn_constructor_args=(args.multi, pid_file), batch_size=32, concurrency=1, num_cpus=1)
     ds.write_parquet(str(out))
     elapsed = time.perf_counter() - start
     ids = []

@@ -20,20 +20,19 @@ class JobIncompleteError(RuntimeError):
     """The job still has shards to do, so it has no manifest yet."""
 
 
-def _write_atomically(path: Path, text: str, tries: int = 5) -> None:
-    for attempt in range(tries):
-        temp = path.with_name(f"{shard_files.TEMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
-        with open(temp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.replace(temp, path)
-            return
-        except FileNotFoundError:
-            # a peer finalising at the same moment swept our temporary file: write it again
-            if attempt == tries - 1:
-                raise
+# Temporary names of finalisers' own files: not swept by peers (which would race a concurrent finaliser);
+# one left by a finaliser that crashed is removed by a later finalise once it is clearly stale.
+_FINAL_TEMP_PREFIX = ".final-tmp-"
+_STALE_FINAL_TEMP_S = 300.0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temp = path.with_name(f"{_FINAL_TEMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(temp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
 
 
 def finalize_job(
@@ -58,7 +57,12 @@ def finalize_job(
                  "shard_start": shard.start_row, "shard_end": shard.end_row, "attempt": shard.attempts, "worker": None}
                 for row in range(shard.start_row, shard.end_row)
             ]
-            shard_files.write_errors_file(errors, records, "finalize")
+            temp = errors.with_name(f"{_FINAL_TEMP_PREFIX}{errors.name}.{uuid.uuid4().hex[:8]}")
+            with open(temp, "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in records))
+                f.flush()
+                os.fsync(f.fileno())
+            shard_files.publish(temp, errors)
     referenced = {s.file for s in committed if s.file}
     _remove_unreferenced(output_dir, fmt, referenced)
     failed = sum(s.rows_failed or 0 for s in committed) + sum(s.num_rows for s in poisoned)
@@ -99,6 +103,13 @@ def _remove_unreferenced(output_dir: Path, fmt: str, referenced: set) -> None:
     for path in output_dir.glob(f"part-*.{fmt}"):
         if path.name not in referenced:
             path.unlink(missing_ok=True)
+    now = time.time()
+    for path in [*output_dir.glob(f"{_FINAL_TEMP_PREFIX}*"), *errors_dir.glob(f"{_FINAL_TEMP_PREFIX}*")]:
+        try:
+            if now - path.stat().st_mtime > _STALE_FINAL_TEMP_S:
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
 
 
 def read_manifest(output_dir: Path) -> Optional[dict]:

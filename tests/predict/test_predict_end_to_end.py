@@ -29,7 +29,7 @@ from predict_procs import assert_exact_output
 def test_every_row_once_in_input_order_with_manifest(tmp_path, fmt, num_workers):
     out = tmp_path / "out"
     spec = JobSpec(output_dir=str(out), rows=230, batch_size=16, shard_size=50, format=fmt, num_workers=num_workers,
-                   id_column="key")
+                   id_column="key", extra={"fetch_threads": 1 + 3 * num_workers})
     callback = run_job(spec)
     table = assert_exact_output(out, 230)
     assert table.column("key").to_pylist() == [f"id-{i}" for i in range(230)]
@@ -57,7 +57,7 @@ def test_resume_after_completion_recomputes_nothing(tmp_path):
 def test_poison_rows_are_isolated_reported_and_the_rest_written(tmp_path):
     out = tmp_path / "out"
     spec = JobSpec(output_dir=str(out), rows=200, poison_dataset_rows=(7,), poison_model_rows=(42, 43, 150),
-                   max_failed_rows=10)
+                   max_failed_rows=10, extra={"fetch_threads": 4})
     callback = run_job(spec)
     assert_exact_output(out, 200, skip={7, 42, 43, 150})
     errors = {e["row_id"]: e for e in read_errors(out)}
