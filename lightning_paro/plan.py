@@ -152,8 +152,8 @@ def plot_paper_scale(path: str, inter_node_gbps: tuple[float, ...] = PAPER_INTER
         top.set_title(setting)
         top.set_ylabel("predicted tokens/s per GPU")
         bottom.set_ylabel("predicted memory per GPU (GB)")
-        top.legend(handles=[Patch(color=f"C{k}", label=f"{bw:g} Gbit/s per node") for k, bw in enumerate(inter_node_gbps)]
-                   + [Patch(color="C0", alpha=0.25, label="does not fit")], fontsize=8)
+        handles = [Patch(color=f"C{k}", label=f"{bw:g} Gbit/s per node") for k, bw in enumerate(inter_node_gbps)]
+        top.legend(handles=handles + [Patch(color="C0", alpha=0.25, label="does not fit")], fontsize=8)
         bottom.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

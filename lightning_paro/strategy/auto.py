@@ -357,7 +357,7 @@ class AutoConfig:
     """Options of ``sharding="auto"``; every measurement can be replaced by a given figure."""
 
     memory_budget: float = DEFAULT_MEMORY_BUDGET
-    """Fraction of a rank's memory (<= 1) or bytes (> 1) for model states, in-flight buffers and declared activations."""
+    """Fraction of a rank's memory (<= 1) or bytes (> 1) for model states, in-flight buffers, declared activations."""
     intra: Link | None = None
     """Intra-group link; None: measure it at start-up."""
     inter: Link | None = None
@@ -365,7 +365,7 @@ class AutoConfig:
     device_memory: float | None = None
     """Bytes of memory per rank; None: read free device memory (CPU: the rank's share of available host memory)."""
     micro_step_seconds: float | None = None
-    """Measured compute time of one micro-step; None: from ``flops_per_second`` if given, else ranked without compute."""
+    """Measured compute time of one micro-step; None: from ``flops_per_second`` if given, else none assumed."""
     flops_per_second: float | None = None
     """Achieved FLOP/s of one rank, with ``tokens_per_micro_batch``, to estimate compute time."""
     tokens_per_micro_batch: float = 0.0

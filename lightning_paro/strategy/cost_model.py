@@ -149,7 +149,8 @@ class Workload:
         if not self.num_params > 0:
             raise ValueError(f"num_params must be > 0, got {self.num_params!r}.")
         if not 0 <= self.num_trainable <= self.num_params:
-            raise ValueError(f"num_trainable must be between 0 and num_params={self.num_params}, got {self.num_trainable!r}.")
+            raise ValueError(
+                f"num_trainable must be between 0 and num_params={self.num_params}, got {self.num_trainable!r}.")
         if self.accumulation < 1:
             raise ValueError(f"accumulation must be >= 1 micro-step per optimizer step, got {self.accumulation!r}.")
         if self.num_units < 0:
@@ -436,8 +437,9 @@ def step_terms(spec: ShardingSpec, workload: Workload, cluster: Cluster, compute
 def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: int = 1) -> Memory:
     """Predicted per-rank memory of ``spec``: model states (``volumes.model_state_bytes``) plus what is in flight."""
     m, n = cluster.group_size, cluster.world_size
-    states = model_state_bytes(spec, workload.num_params, workload.num_trainable, m, n, param_bytes=workload.param_bytes,
-                               grad_bytes=workload.grad_bytes, optim_bytes=workload.optim_bytes)
+    states = model_state_bytes(spec, workload.num_params, workload.num_trainable, m, n,
+                               param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
+                               optim_bytes=workload.optim_bytes)
     split = _split(workload)
     in_flight = min(workload.num_units, 1 + max(0, prefetch))
     transient = 0.0
