@@ -127,6 +127,20 @@ def test_workload_from_module_matches_the_engine_view():
     assert frozen.num_trainable == 0 and frozen.optim_bytes == 0
 
 
+def test_plan_for_job_with_everything_given_needs_no_collectives():
+    from lightning_paro.comm.topology import Topology
+    from lightning_paro.strategy.auto import AutoConfig, plan_for_job
+
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters())
+    config = AutoConfig(memory_budget=0.5, intra=Link.gbit(100), inter=Link.gbit(1, 50), device_memory=1e9,
+                        micro_step_seconds=1e-3, reduce_scatter_factor=2.0)
+    p = plan_for_job(net, [opt], Topology(8, 4, rank=5), "cpu", accumulation=4, ranks_on_host=4, config=config)
+    assert (p.cluster.world_size, p.cluster.group_size, p.cluster.reduce_scatter_factor) == (8, 4, 2.0)
+    assert p.budget_bytes == 5e8 and p.workload.accumulation == 4 and p.workload.num_units == 3
+    assert p.choice in VALID_STRATEGIES and "No compute time" not in p.reason
+
+
 def test_optimizer_states_per_param():
     p = [nn.Parameter(torch.zeros(2))]
     assert optimizer_states_per_param(torch.optim.SGD(p, lr=0.1)) == 0
