@@ -85,7 +85,7 @@ class FitReport(L.Callback):
             "world_size": trainer.world_size,
             "optimizer_steps": trainer.global_step,
             "seconds": round(time.perf_counter() - self.started, 2),
-            "loss_per_step_rank0": [round(x, 4) for x in step_losses],
+            "loss_per_step_rank0": step_losses,
             "val_bits_per_byte": float(val) if val is not None else None,
             "checkpoint": str(Path(self.cfg.run.dir) / WEIGHTS_FILE),
             "logs": trainer.logger.log_dir if trainer.logger is not None else None,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -37,6 +39,8 @@ from lightning_paro.strategy.levels import VALID_STRATEGIES
 CONFIG_DIR_ENV = "LIGHTNING_PARO_CONFIG_DIR"
 """Environment variable naming the config tree to use instead of the project's ``conf/``."""
 CONFIG_NAME = "config"
+LAUNCH_TIME_ENV = "LIGHTNING_PARO_LAUNCH_TIME"
+"""Environment variable with the run's start time, shared by all processes Lightning starts for it."""
 
 GROUP_SCHEMAS: dict[str, type] = {
     "model": GPTModelConfig,
@@ -82,10 +86,18 @@ def compose_raw(overrides: Sequence[str], config_dir: Optional[Path] = None) -> 
     return raw
 
 
+def launch_time() -> datetime:
+    """When this run was started: ``$LIGHTNING_PARO_LAUNCH_TIME`` (seconds since the epoch), set by the first process
+    and inherited by the processes Lightning starts, so ``${now:...}`` in run.dir means the same time on every rank."""
+    return datetime.fromtimestamp(float(os.environ.get(LAUNCH_TIME_ENV) or time.time()))
+
+
 def _compose(directory: Path, overrides: Sequence[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
+            # replaces Hydra's ${now:...}, which reads the clock in each process: re-launched ranks would disagree
+            OmegaConf.register_new_resolver("now", lambda pattern: launch_time().strftime(pattern), replace=True)
             return compose(CONFIG_NAME, overrides=list(overrides))
     finally:
         GlobalHydra.instance().clear()

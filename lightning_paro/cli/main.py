@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from lightning_paro.cli.compose import check_launch_environment, default_config_dir, load_config
+from lightning_paro.cli.compose import LAUNCH_TIME_ENV, check_launch_environment, default_config_dir, load_config
 from lightning_paro.cli.schema import ConfigError
 
 PROG = "lightning-paro"
@@ -109,6 +110,8 @@ def run(invocation: Invocation) -> int:
         print(help_text(invocation.config_dir))
         return 0
     assert invocation.command is not None
+    # the processes Lightning starts for this run inherit it: ${now:...} resolves alike in all of them
+    os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))
     if invocation.multirun:
         if _under_torchrun():
             raise ConfigError("-m", "a sweep starts its own processes per job; under torchrun run one job per"

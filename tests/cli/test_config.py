@@ -224,3 +224,13 @@ def test_a_sweep_is_refused_under_torchrun(monkeypatch, capsys):
     assert main(["fit", "-m", "strategy.sharding=NIG,GGG"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("lightning-paro: error: -m: ") and "torchrun" in err[0]
+
+
+def test_now_in_run_dir_is_the_launch_time_shared_by_every_rank(monkeypatch, tmp_path):
+    # Lightning's launcher re-runs the command line in each rank, later: the launch time travels in the environment
+    monkeypatch.setenv("LIGHTNING_PARO_LAUNCH_TIME", "1700000000.5")
+    first = load_config(["run.dir=runs/${now:%Y-%m-%d_%H-%M-%S}"], cwd=tmp_path).run.dir
+    second = load_config(["run.dir=runs/${now:%Y-%m-%d_%H-%M-%S}"], cwd=tmp_path).run.dir
+    from datetime import datetime
+    assert first == second == str(tmp_path.resolve() / "runs" / datetime.fromtimestamp(1700000000.5).strftime(
+        "%Y-%m-%d_%H-%M-%S"))
