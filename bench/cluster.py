@@ -295,6 +295,7 @@ def main() -> None:
     ap.add_argument("--rate-mbit", type=int, default=1000)
     ap.add_argument("--nic", choices=["node", "rank"], default="node")
     ap.add_argument("--placement", choices=["contiguous", "round-robin"], default="contiguous")
+    ap.add_argument("--queue-ms", type=float, default=ClusterConfig.queue_ms)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("argv", nargs=argparse.REMAINDER, help="-- script.py args...: what every rank runs")
     args = ap.parse_args()
@@ -302,7 +303,7 @@ def main() -> None:
     if not argv:
         ap.error("give the script every rank runs after --")
     cfg = ClusterConfig(nodes=args.nodes, ranks_per_node=args.ranks_per_node, rate_mbit=args.rate_mbit, nic=args.nic,
-                        placement=args.placement)
+                        placement=args.placement, queue_ms=args.queue_ms)
     with Cluster(cfg) as cluster:
         before = cluster.nic_tx_bytes()
         outputs = cluster.run(argv, timeout=args.timeout)

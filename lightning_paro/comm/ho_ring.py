@@ -31,6 +31,7 @@ All ranks must issue the same HO-Ring collectives in the same order (as with any
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ from lightning_paro.comm.topology import Topology
 
 ReduceOp = Literal["sum", "avg"]
 Range = tuple[int, int]
+Stage = Callable[[int, int], "Callable[[], None] | None"]
+
+CHUNKS_IN_FLIGHT = 2
+"""Chunks one phase has posted at a time (see ``_Phase._loop``)."""
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -138,12 +143,14 @@ class _Phase:
         self._thread = threading.Thread(target=self._loop, name=f"ho-ring-{name}", daemon=True)
         self._thread.start()
 
-    def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A reusable buffer of at least ``numel`` elements of ``like``'s dtype; valid until this phase's next task."""
-        buf = self._scratch.get((like.dtype, like.device))
+    def scratch(self, numel: int, like: torch.Tensor, slot: int) -> torch.Tensor:
+        """A reusable buffer of at least ``numel`` elements of ``like``'s dtype for the task in ``slot``; valid until
+        that slot's next task."""
+        key = (like.dtype, like.device, slot)
+        buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._scratch[(like.dtype, like.device)] = buf
+            self._scratch[key] = buf
         return buf
 
     def to(self, me: int, peer: int):
@@ -163,19 +170,37 @@ class _Phase:
             self._cv.notify()
 
     def _loop(self) -> None:
+        # Up to CHUNKS_IN_FLIGHT tasks are posted before the oldest is waited for: while the last messages of chunk k
+        # trickle in from the slowest peer, those of chunk k+1 already keep the link busy.
+        in_flight: collections.deque = collections.deque()
         while True:
+            task = None
             with self._cv:
-                while self._next_to_run not in self._ready:
-                    self._cv.wait()
-                job, stage, chunk = self._ready.pop(self._next_to_run)
-                self._next_to_run += 1
-            job.run(stage, chunk)
+                while task is None:
+                    if self._next_to_run in self._ready and len(in_flight) < CHUNKS_IN_FLIGHT:
+                        task = self._ready.pop(self._next_to_run)
+                        slot = self._next_to_run % CHUNKS_IN_FLIGHT
+                        self._next_to_run += 1
+                    elif in_flight:
+                        break
+                    else:
+                        self._cv.wait()
+            if task is not None:
+                job, stage, chunk = task
+                in_flight.append((job, stage, chunk, job.post(stage, chunk, slot)))
+            else:
+                job, stage, chunk, finisher = in_flight.popleft()
+                job.finish(stage, chunk, finisher)
 
 
 class _Job:
-    """One collective: a list of (phase, function of the chunk index) stages, each run on every chunk in order."""
+    """One collective: a list of (phase, stage function) pairs, each run on every chunk in order.
 
-    def __init__(self, stages: list[tuple[_Phase, Callable[[int], None]]], num_chunks: int) -> None:
+    A stage function takes the chunk index and the phase slot, posts its messages and returns the function that
+    completes them (or ``None``).
+    """
+
+    def __init__(self, stages: list[tuple[_Phase, Stage]], num_chunks: int) -> None:
         self.stages = stages
         self.num_chunks = num_chunks
         self.work = HORingWork()
@@ -193,10 +218,20 @@ class _Job:
             phase.put(self._first_seq[0] + k, self, 0, k)
         return self.work
 
-    def run(self, stage: int, chunk: int) -> None:
+    def post(self, stage: int, chunk: int, slot: int) -> Callable[[], None] | None:
+        """Start ``stage`` on ``chunk``; returns what completes it (``None`` if nothing is left to do)."""
         if self.work._error is None:
             try:
-                self.stages[stage][1](chunk)
+                return self.stages[stage][1](chunk, slot)
+            except BaseException as err:  # surfaced by HORingWork.wait
+                self.work._error = err
+        return None
+
+    def finish(self, stage: int, chunk: int, finisher: Callable[[], None] | None) -> None:
+        """Complete ``stage`` on ``chunk`` and hand the chunk to the next stage."""
+        if finisher is not None and self.work._error is None:
+            try:
+                finisher()
             except BaseException as err:  # surfaced by HORingWork.wait
                 self.work._error = err
         # A failed job still passes its chunks on, so later phases keep their sequence numbers moving.
@@ -321,21 +356,25 @@ def _merged(ranges: list[Range]) -> list[Range]:
     return out
 
 
-def _reduce_exchange(phase: _Phase, peers: list[int], me: int, send_ranges: list[list[Range]], src: torch.Tensor,
-                     src_off: int, dst: torch.Tensor, dst_off: int) -> None:
+def _reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, send_ranges: list[list[Range]],
+                     src: torch.Tensor, src_off: int, dst: torch.Tensor, dst_off: int) -> Callable[[], None]:
     """Reduce-scatter by all-to-all: send peer p the ranges ``send_ranges[p]`` of ``src``, receive ``send_ranges[me]``
-    from every peer and write own + received (in peer order) into ``dst``. ``dst`` may be ``src`` (in place)."""
+    from every peer and write own + received (in peer order) into ``dst``. ``dst`` may be ``src`` (in place).
+
+    Posts the messages and returns the function that waits for them and sums; ``slot`` tells this exchange's messages
+    and scratch apart from those of the phase's other exchanges in flight.
+    """
     mine = send_ranges[me]
     ops, received = [], []
     for p, peer in enumerate(peers):
         if p == me:
             continue
-        for tag, r in enumerate(send_ranges[p]):
+        for t, r in enumerate(send_ranges[p]):
             if r[1] > r[0]:
-                ops.append(dist.isend(_view(src, src_off, r), peer, group=phase.to(peers[me], peer), tag=tag))
-    # Receive buffers come from the phase's scratch: a phase runs one exchange at a time, and fresh buffers would cost
-    # a page fault per page on every chunk.
-    scratch = phase.scratch((len(peers) - 1) * _size(mine), src)
+                ops.append(dist.isend(_view(src, src_off, r), peer, group=phase.to(peers[me], peer),
+                                      tag=_tag(slot, t)))
+    # Receive buffers come from the phase's scratch: fresh buffers would cost a page fault per page on every chunk.
+    scratch = phase.scratch((len(peers) - 1) * _size(mine), src, slot)
     used = 0
     for p, peer in enumerate(peers):
         if p == me:
@@ -345,35 +384,56 @@ def _reduce_exchange(phase: _Phase, peers: list[int], me: int, send_ranges: list
             buf = scratch[used:used + r[1] - r[0]]
             used += r[1] - r[0]
             if r[1] > r[0]:
-                ops.append(dist.irecv(buf, peer, group=phase.to(peer, peers[me]), tag=tag))
+                ops.append(dist.irecv(buf, peer, group=phase.to(peer, peers[me]), tag=_tag(slot, tag)))
             bufs.append(buf)
         received.append(bufs)
-    for op in ops:
-        op.wait()
-    for t, r in enumerate(mine):
-        own, out = _view(src, src_off, r), _view(dst, dst_off, r)
-        if out.data_ptr() != own.data_ptr():
-            out.copy_(own)
-        for bufs in received:
-            out.add_(bufs[t])
+
+    def finish() -> None:
+        for op in ops:
+            op.wait()
+        for t, r in enumerate(mine):
+            own, out = _view(src, src_off, r), _view(dst, dst_off, r)
+            if out.data_ptr() != own.data_ptr():
+                out.copy_(own)
+            for bufs in received:
+                out.add_(bufs[t])
+
+    return finish
 
 
-def _gather_exchange(phase: _Phase, peers: list[int], me: int, ranges: list[list[Range]], buf: torch.Tensor,
-                     off: int) -> None:
+def _gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, ranges: list[list[Range]],
+                     buf: torch.Tensor, off: int) -> Callable[[], None]:
     """All-gather by all-to-all: send ``ranges[me]`` of ``buf`` to every peer, receive ``ranges[p]`` from peer p
-    straight into ``buf``."""
+    straight into ``buf``. Posts the messages and returns the function that waits for them."""
     ops = []
     for p, peer in enumerate(peers):
         if p == me:
             continue
-        for tag, r in enumerate(ranges[me]):
+        for t, r in enumerate(ranges[me]):
             if r[1] > r[0]:
-                ops.append(dist.isend(_view(buf, off, r), peer, group=phase.to(peers[me], peer), tag=tag))
-        for tag, r in enumerate(ranges[p]):
+                ops.append(dist.isend(_view(buf, off, r), peer, group=phase.to(peers[me], peer), tag=_tag(slot, t)))
+        for t, r in enumerate(ranges[p]):
             if r[1] > r[0]:
-                ops.append(dist.irecv(_view(buf, off, r), peer, group=phase.to(peer, peers[me]), tag=tag))
-    for op in ops:
-        op.wait()
+                ops.append(dist.irecv(_view(buf, off, r), peer, group=phase.to(peer, peers[me]), tag=_tag(slot, t)))
+
+    def finish() -> None:
+        for op in ops:
+            op.wait()
+
+    return finish
+
+
+def _tag(slot: int, piece: int) -> int:
+    # Exchanges in flight in one phase have different slots, so their messages between the same two ranks never match
+    # each other's receives.
+    return slot * 4096 + piece
+
+
+def _then(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        then()
+    return both
 
 
 def _size(ranges: list[Range]) -> int:
@@ -454,7 +514,7 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
     if n == 1 or numel * es < config.flat_below_bytes:
         _record(meter, "all_reduce", INTER, ring_bytes("all_reduce", numel * es, n))
 
-        def run_flat(_: int) -> None:
+        def run_flat(_: int, __: int) -> None:
             if n > 1:
                 dist.all_reduce(flat, group=grp.world)
             if op == "avg" and n > 1:
@@ -464,33 +524,33 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
 
     i, j = grp.group_index, grp.local_index
     chunks = _contiguous_chunks(numel, max(1, config.chunk_bytes // es), m, g)
-    stages: list[tuple[_Phase, Callable[[int], None]]] = []
+    stages: list[tuple[_Phase, Stage]] = []
 
     def divide(k: int) -> None:
         if op == "avg":
             _view(flat, 0, chunks[k][j][i]).div_(n)
 
     if m > 1:
-        def intra_scatter(k: int) -> None:
+        def intra_scatter(k: int, slot: int) -> Callable[[], None]:
             blocks = [_merged(c) for c in chunks[k]]
-            _reduce_exchange(grp.intra_scatter, grp.intra_peers, j, blocks, flat, 0, flat, 0)
-            if g == 1:
-                divide(k)
+            done = _reduce_exchange(grp.intra_scatter, slot, grp.intra_peers, j, blocks, flat, 0, flat, 0)
+            return _then(done, lambda: divide(k)) if g == 1 else done
 
         stages.append((grp.intra_scatter, intra_scatter))
     if g > 1:
-        def inter_scatter(k: int) -> None:
+        def inter_scatter(k: int, slot: int) -> Callable[[], None]:
             subs = [[r] for r in chunks[k][j]]
-            _reduce_exchange(grp.inter_scatter, grp.rail_peers, i, subs, flat, 0, flat, 0)
-            divide(k)
+            done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, subs, flat, 0, flat, 0)
+            return _then(done, lambda: divide(k))
 
-        def inter_gather(k: int) -> None:
-            _gather_exchange(grp.inter_gather, grp.rail_peers, i, [[r] for r in chunks[k][j]], flat, 0)
+        def inter_gather(k: int, slot: int) -> Callable[[], None]:
+            return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k][j]], flat, 0)
 
         stages += [(grp.inter_scatter, inter_scatter), (grp.inter_gather, inter_gather)]
     if m > 1:
-        def intra_gather(k: int) -> None:
-            _gather_exchange(grp.intra_gather, grp.intra_peers, j, [_merged(c) for c in chunks[k]], flat, 0)
+        def intra_gather(k: int, slot: int) -> Callable[[], None]:
+            return _gather_exchange(grp.intra_gather, slot, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
+                                    flat, 0)
 
         stages.append((grp.intra_gather, intra_gather))
 
@@ -542,10 +602,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         by_rank = [by_position[grp.rank_order.index(r)] for r in range(n)]
         _record(meter, "reduce_scatter", INTER, sum(_size(by_rank[r]) for r in range(n) if r != topology.rank) * es)
 
-        def run_flat(_: int) -> None:
-            _reduce_exchange(grp.flat, list(range(n)), topology.rank, by_rank, full, 0, out, shard[0])
-            if op == "avg" and n > 1:
-                out.div_(n)
+        def run_flat(_: int, slot: int) -> Callable[[], None]:
+            done = _reduce_exchange(grp.flat, slot, list(range(n)), topology.rank, by_rank, full, 0, out, shard[0])
+            return _then(done, lambda: out.div_(n)) if op == "avg" and n > 1 else done
 
         return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
 
@@ -559,25 +618,24 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         work, work_off = out, shard[0]
     else:
         work, work_off = torch.empty(block[-1][1] - block[0][0], dtype=full.dtype, device=full.device), block[0][0]
-    stages: list[tuple[_Phase, Callable[[int], None]]] = []
+    stages: list[tuple[_Phase, Stage]] = []
 
     def divide(k: int) -> None:
         if op == "avg":
             _view(out, shard[0], chunks[k][j][i]).div_(n)
 
     if m > 1:
-        def intra_scatter(k: int) -> None:
-            _reduce_exchange(grp.intra_scatter, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0,
-                             work, work_off)
-            if g == 1:
-                divide(k)
+        def intra_scatter(k: int, slot: int) -> Callable[[], None]:
+            done = _reduce_exchange(grp.intra_scatter, slot, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
+                                    full, 0, work, work_off)
+            return _then(done, lambda: divide(k)) if g == 1 else done
 
         stages.append((grp.intra_scatter, intra_scatter))
     if g > 1:
-        def inter_scatter(k: int) -> None:
-            _reduce_exchange(grp.inter_scatter, grp.rail_peers, i, [[r] for r in chunks[k][j]], work, work_off,
-                             out, shard[0])
-            divide(k)
+        def inter_scatter(k: int, slot: int) -> Callable[[], None]:
+            done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, [[r] for r in chunks[k][j]], work,
+                                    work_off, out, shard[0])
+            return _then(done, lambda: divide(k))
 
         stages.append((grp.inter_scatter, inter_scatter))
 
@@ -626,21 +684,22 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
         by_rank = [[owners[p % m][p // m]] for p in (grp.rank_order.index(r) for r in range(n))]
         _record(meter, "all_gather", INTER, (n - 1) * _size(by_rank[topology.rank]) * es)
 
-        def run_flat(_: int) -> None:
-            _gather_exchange(grp.flat, list(range(n)), topology.rank, by_rank, full, 0)
+        def run_flat(_: int, slot: int) -> Callable[[], None]:
+            return _gather_exchange(grp.flat, slot, list(range(n)), topology.rank, by_rank, full, 0)
 
         return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
 
     chunks = _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
-    stages: list[tuple[_Phase, Callable[[int], None]]] = []
+    stages: list[tuple[_Phase, Stage]] = []
     if g > 1:
-        def inter_gather(k: int) -> None:
-            _gather_exchange(grp.inter_gather, grp.rail_peers, i, [[r] for r in chunks[k][j]], full, 0)
+        def inter_gather(k: int, slot: int) -> Callable[[], None]:
+            return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k][j]], full, 0)
 
         stages.append((grp.inter_gather, inter_gather))
     if m > 1:
-        def intra_gather(k: int) -> None:
-            _gather_exchange(grp.intra_gather, grp.intra_peers, j, [_merged(c) for c in chunks[k]], full, 0)
+        def intra_gather(k: int, slot: int) -> Callable[[], None]:
+            return _gather_exchange(grp.intra_gather, slot, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
+                                    full, 0)
 
         stages.append((grp.intra_gather, intra_gather))
 
