@@ -11,7 +11,7 @@ import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
-from lightning_paro import PaROStrategy
+from lightning_paro import VALID_STRATEGIES, PaROStrategy
 from lightning_paro.cli.compose import world_size
 from lightning_paro.cli.schema import (
     Config,
@@ -68,7 +68,8 @@ def build_strategy(cfg: Config) -> Strategy:
             extra["state_dict_type"] = s.state_dict_type
         elif s.state_dict_type != "full":  # versions before sharded checkpoints write full ones only
             raise ConfigError("strategy.state_dict_type", "this version of PaROStrategy writes full checkpoints only")
-        return PaROStrategy(sharding=s.sharding.upper(), group_size=s.group_size, units=_units(s.units),
+        sharding = s.sharding.upper() if s.sharding.upper() in VALID_STRATEGIES else s.sharding
+        return PaROStrategy(sharding=sharding, group_size=s.group_size, units=_units(s.units),
                             prefetch=s.prefetch, log_traffic=s.log_traffic, start_method=s.start_method,
                             process_group_backend=s.process_group_backend, timeout=timeout, **extra)
     if isinstance(s, DDPStrategyConfig):
@@ -129,7 +130,8 @@ def strategy_label(cfg: Config) -> str:
     """A short name for tables: ``paro IIG (m=2)``, ``ddp``, ``fsdp2``, ``hsdp (m=2)``."""
     s = cfg.strategy
     if isinstance(s, ParoStrategyConfig):
-        return f"paro {s.sharding.upper()}" + (f" (m={s.group_size})" if s.group_size else "")
+        sharding = s.sharding.upper() if s.sharding.upper() in VALID_STRATEGIES else s.sharding
+        return f"paro {sharding}" + (f" (m={s.group_size})" if s.group_size else "")
     if s.name == "hsdp":
         return "hsdp" + (f" (m={s.group_size})" if s.group_size else "")
     return s.name

@@ -219,7 +219,8 @@ def _check_strategy(cfg: Config) -> None:
     if hasattr(s, "start_method") and s.start_method not in START_METHODS:
         raise ConfigError("strategy.start_method", f"{s.start_method!r} is not one of {', '.join(START_METHODS)}")
     if s.name == "paro":
-        if not isinstance(s.sharding, str) or s.sharding.upper() not in VALID_STRATEGIES:
+        if not isinstance(s.sharding, str) or (s.sharding.upper() not in VALID_STRATEGIES
+                                               and not _strategy_accepts_sharding(s.sharding)):
             raise ConfigError(
                 "strategy.sharding",
                 f"{s.sharding!r} is not a PaRO strategy; use one of {', '.join(VALID_STRATEGIES)}"
@@ -244,6 +245,17 @@ def _check_strategy(cfg: Config) -> None:
                 f"{s.group_size} does not divide the world size trainer.devices * trainer.num_nodes ="
                 f" {cfg.trainer.devices} * {cfg.trainer.num_nodes} = {world}; use one of {', '.join(divisors)}",
             )
+
+
+def _strategy_accepts_sharding(value: str) -> bool:
+    """Whether PaROStrategy takes a sharding beyond the 14 letter codes (such as a planner's "auto")."""
+    from lightning_paro import PaROStrategy
+
+    try:
+        PaROStrategy(sharding=value)  # only stores its arguments; nothing is started
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def check_launch_environment(cfg: Config, environ: Optional[dict] = None) -> None:
