@@ -29,7 +29,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -40,6 +40,7 @@ from lightning_paro.comm.accounting import TrafficMeter
 from lightning_paro.comm.collectives import Communicator
 from lightning_paro.comm.topology import Topology
 from lightning_paro.strategy import checkpoint as ckpt
+from lightning_paro.strategy.auto import AutoConfig, Plan, format_plan, plan_for_job
 from lightning_paro.strategy.engine import PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.precision import to_paro_precision
@@ -54,12 +55,15 @@ class PaROStrategy(ParallelStrategy):
     sharded globally (G).
 
     Args:
-        sharding: three letters for P, G and OS, e.g. ``"IIG"``; one of the 14 valid strategies.
+        sharding: three letters for P, G and OS, e.g. ``"IIG"``; one of the 14 valid strategies, or ``"auto"``
+            (default): at start-up, measure the links, read the device memory, and pick the fastest strategy that
+            fits according to the cost model (the candidate table is logged and kept in ``auto_plan``).
         group_size: ranks per group (m). Defaults to the processes per node.
         units: which submodules are gathered and freed together: ``"auto"`` (the repeated blocks), a list of module
             classes, or a predicate ``(name, module) -> bool``.
         prefetch: how many units ahead to gather while the current one computes (0: no prefetch).
         log_traffic: log ``paro/intra_bytes`` and ``paro/inter_bytes`` per optimizer step to the Trainer's loggers.
+        auto: options of ``sharding="auto"`` (memory budget, given link bandwidths, compute time per micro-step).
         state_dict_type: ``"sharded"`` (default): checkpoints are directories written by every rank through
             ``torch.distributed.checkpoint``, loadable at another world size, group size or strategy; ``"full"``: one
             consolidated file, loadable by ``LightningModule.load_from_checkpoint`` and by ``"ddp"``.
@@ -73,11 +77,12 @@ class PaROStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        sharding: Union[str, ShardingSpec] = "IIG",
+        sharding: Union[str, ShardingSpec] = "auto",
         group_size: Optional[int] = None,
         units: UnitPolicy = "auto",
         prefetch: int = 1,
         log_traffic: bool = True,
+        auto: Optional[AutoConfig] = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -95,7 +100,15 @@ class PaROStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.sharding = ShardingSpec.parse(sharding)
+        self._auto = isinstance(sharding, str) and sharding.lower() == "auto"
+        try:
+            self.sharding: Optional[ShardingSpec] = None if self._auto else ShardingSpec.parse(sharding)
+            """The strategy in use (chosen at set-up when ``sharding="auto"``)."""
+        except ValueError as err:
+            raise ValueError(f"{err} Or sharding='auto' to let the strategy choose.") from None
+        self._auto_config = auto or AutoConfig()
+        self.auto_plan: Optional[Plan] = None
+        """With ``sharding="auto"``: the candidate table and the choice."""
         if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
             raise ValueError(f"group_size must be a positive integer (ranks per group), got {group_size!r}.")
         if state_dict_type not in ("sharded", "full"):
@@ -221,10 +234,27 @@ class PaROStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
+        if self._auto and (self.auto_plan is None or fitting):
+            self._plan_sharding(trainer, fitting)
         self._build_engine(self.optimizers if fitting else [])
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _plan_sharding(self, trainer: "pl.Trainer", fitting: bool) -> None:
+        """``sharding="auto"``: probe the links and memory, run the cost model, take the fastest strategy that fits
+        (collective: every rank measures, all agree)."""
+        raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
+        assert self.lightning_module is not None
+        result = plan_for_job(self.lightning_module, raw, self.topology, self.root_device,
+                              accumulation=trainer.accumulate_grad_batches if fitting else 1,
+                              ranks_on_host=self.num_processes, units=self._units, prefetch=self._prefetch,
+                              config=self._auto_config)
+        if result.choice is None:
+            raise RuntimeError(f"sharding='auto' found no strategy that fits: {result.reason}")
+        self.sharding = ShardingSpec.parse(self.broadcast(result.choice))
+        self.auto_plan = result
+        rank_zero_info(f"PaRO sharding='auto' chose {self.sharding.name}\n{format_plan(result)}")
 
     def _build_engine(self, optimizers: list[Optimizer]) -> None:
         if self.engine is not None:  # configure_model / setup run again: start from the plain module
@@ -464,6 +494,8 @@ class PaROStrategy(ParallelStrategy):
 
     def summary(self) -> str:
         """A printable report: strategy, topology, per-step traffic by scope and per-rank model-state memory."""
+        if self.sharding is None:
+            return "PaRO strategy: 'auto', not chosen yet (the choice is made at set-up)"
         return format_summary(self.sharding, self._topology, self.traffic_history, self.memory_report(),
                               self.engine.num_params() if self.engine is not None else {})
 
@@ -526,7 +558,7 @@ class PaROStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("paro", cls, description="PaRO-DP sharding (default strategy IIG)")
+        strategy_registry.register("paro", cls, description="PaRO-DP sharding, strategy chosen automatically")
         for name in VALID_STRATEGIES:
             strategy_registry.register(f"paro_{name.lower()}", cls, description=f"PaRO-DP strategy {name}",
                                        sharding=name)

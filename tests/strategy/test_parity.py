@@ -23,7 +23,7 @@ VARIANTS = [("NIG#sgd", "ddp#sgd"), ("GGG#adam", "ddp#adam"), ("IGG%value", "ddp
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    launch("parity.py", WORLD, str(out), ",".join(["ddp", *VALID_STRATEGIES, *BF16, *(c for v in VARIANTS for c in v)]), timeout=420)
+    launch("parity.py", WORLD, str(out), ",".join(["ddp", *VALID_STRATEGIES, *BF16, *(c for v in VARIANTS for c in v), "auto"]), timeout=420)
 
     def load(spec):
         ranks = [json.loads((out / f"{spec}.{r}.json").read_text()) for r in range(WORLD)]
@@ -143,3 +143,16 @@ def test_bf16_mixed_tracks_fp32(runs):
             assert abs(a - b) <= 0.02 * abs(b)
         assert bf16[r]["losses"] == pytest.approx(ddp_bf16[r]["losses"], abs=1e-3)
     assert bf16[0]["losses"] != fp32[0]["losses"]  # autocast really ran in bf16
+
+
+@pytest.mark.timeout(600)
+def test_auto_chooses_one_strategy_on_every_rank_and_matches_ddp(runs):
+    base, base_w = runs("ddp")
+    got, got_w = runs("auto")
+    choices = {got[r]["probe"]["sharding"] for r in range(WORLD)}
+    assert len(choices) == 1 and choices.pop() in VALID_STRATEGIES
+    assert all(got[r]["probe"]["auto_choice"] == got[0]["probe"]["sharding"] for r in range(WORLD))
+    for r in range(WORLD):
+        assert got[r]["losses"] == pytest.approx(base[r]["losses"], abs=1e-5)
+    for k in base_w:
+        torch.testing.assert_close(got_w[k], base_w[k], atol=1e-5, rtol=0, msg=k)

@@ -45,6 +45,8 @@ class Probe(L.Callback):
                 ],
                 "traffic": [{"intra": t.intra, "inter": t.inter, "by_op": t.by_op} for t in s.traffic_history],
                 "summary": s.summary(),
+                "sharding": s.sharding.name,
+                "auto_choice": s.auto_plan.choice if s.auto_plan is not None else None,
                 "micro": [[[list(k), v] for k, v in snap.items()] for snap in self.micro],
             }
 
