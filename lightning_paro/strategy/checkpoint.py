@@ -29,7 +29,6 @@ from lightning_paro.strategy.levels import Level
 
 if TYPE_CHECKING:
     from lightning_paro.strategy.engine import PaROEngine
-    from lightning_paro.strategy.flat import FlatGroup
 
 META_FILE = "meta.pt"
 """Trainer state (loops, schedulers, callbacks) of a sharded checkpoint, as Lightning's sharded layout names it."""

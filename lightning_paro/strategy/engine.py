@@ -145,7 +145,6 @@ class PaROEngine:
         self._hooks: list[RemovableHandle] = []
         self._order: list[Unit] = []  # execution order seen in the last forward
         self._seen: list[Unit] = []
-        self._in_step = False
         _check_module(module)
         self._flat_by_master: dict[int, FlatGroup] = {}
         self.units: list[Unit] = self._build_units(units, master_dtype)
@@ -273,7 +272,6 @@ class PaROEngine:
     def pre_step(self) -> None:
         """Before a training step: make the root unit's parameters usable and its gradients ready."""
         self.mode = Mode.SHARDED
-        self._in_step = True
         self._seen = []
         self.root.ensure_ready()
         self.root.backward_started = False
@@ -288,7 +286,6 @@ class PaROEngine:
         for unit in reversed(self._order):
             unit.post_backward(free=unit.sharded_params)
         self.root.post_backward(free=self.root.sharded_params)
-        self._in_step = False
         if sync:
             self.sync_grads()
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import WORKERS, free_port, kill_all, wait_all
+from launch import WORKERS, free_port, wait_all
 
 SCRIPT = str(WORKERS / "launch_modes.py")
 

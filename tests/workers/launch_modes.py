@@ -5,7 +5,6 @@ across ranks on purpose (rank r runs 2 + r batches): sharded parameters must not
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
