@@ -1,8 +1,8 @@
 """The same workload through Ray Data (``map_batches`` with an actor pool), as a second anchor.
 
 Run by ``run_bench.py --ray-python PY`` with an interpreter that has ``ray[data]`` installed. With
-``--kill-after S`` one model actor is SIGKILLed S seconds in, and the output is checked for
-duplicate and missing rows.
+``--kill-after S`` the model actor is SIGKILLed S seconds after it started, and the output is
+checked for duplicate and missing rows.
 """
 
 from __future__ import annotations
@@ -79,11 +79,13 @@ def main() -> None:
     killed = []
 
     def kill_one_actor() -> None:
+        # count from the moment the model actor is up, so the kill lands mid-run whatever Ray's start-up takes
+        while not Path(pid_file).exists() or not Path(pid_file).read_text().split():
+            time.sleep(0.05)
         time.sleep(args.kill_after)
-        pids = [int(p) for p in Path(pid_file).read_text().split()] if Path(pid_file).exists() else []
-        if pids:
-            os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
+        pid = int(Path(pid_file).read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
     if args.kill_after is not None:
         threading.Thread(target=kill_one_actor, daemon=True).start()

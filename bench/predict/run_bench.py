@@ -112,7 +112,7 @@ def main() -> None:
             if args.ray_python:
                 lat["ray_single"] = run_ray(args.ray_python, url, rows, workdir, multi=False)
                 lat["ray_multi"] = run_ray(args.ray_python, url, rows, workdir, multi=True)
-                lat["ray_single_actor_killed"] = run_ray(args.ray_python, url, rows, workdir, multi=False, kill_after=15.0)
+                lat["ray_single_actor_killed"] = run_ray(args.ray_python, url, rows, workdir, multi=False, kill_after=4.0)
         rows = args.compute_rows
         print(f"compute-bound (records generated locally, no latency), {rows} rows", flush=True)
         comp = results["compute_bound"] = {}

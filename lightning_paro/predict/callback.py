@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -37,6 +38,8 @@ class ElasticPredict(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "predict":
             return
+        # Lightning warns that it cannot force drop_last=False on a custom batch sampler; ours never drops rows
+        warnings.filterwarnings("ignore", message=r".*custom batch sampler `ShardBatchSampler`.*")
         source = trainer.predict_loop._data_source  # the dataloaders given to trainer.predict, not yet iterated
         loader = single_dataloader(source.dataloader())
         self.run = WorkerRun(self.config, loader)
@@ -68,6 +71,8 @@ class ElasticPredict(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.run is not None:
             self.run.abort()
+            self.run.close()
+            self.run = None
         self._restore()
 
     @override
