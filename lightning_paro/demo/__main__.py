@@ -1,89 +1,90 @@
-"""The demo: a small GPT trained with the PaRO strategy on 4 CPU processes (2 groups of 2) on Python's own source.
+"""The demo a newcomer runs first: the whole mission on one machine, through the package's own command line.
 
-Run ``python -m lightning_paro.demo`` (or ``bash scripts/demo.sh``). It prints a loss curve, the bytes moved inside
-and between groups per optimizer step, the model-state memory per rank, and where the outputs are.
+1. ``fit``: a small GPT-style byte-level language model trained with the PaRO strategy (IIG) on 4 CPU processes
+   arranged as 2 groups of 2, on the Python standard library's own source files, with a progress bar and the loss
+   and traffic per step logged; a checkpoint at the end.
+2. ``predict``: elastic batch prediction (``lightning_paro.predict.ElasticPredict``) scoring held-out files with that
+   checkpoint, per-file bits per byte written to Parquet.
+3. A final summary: the loss curve, the bytes each rank moved inside and between groups per optimizer step, the
+   model-state memory per rank, and where every output is.
+
+Usage: ``python -m lightning_paro.demo [HYDRA OVERRIDES...]`` (e.g. ``strategy.sharding=NIG``); the overrides go to
+both commands.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
+import subprocess
+import sys
 from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader
-
-import lightning as L
-from lightning_paro import PaROStrategy
-from lightning_paro.demo.data import ByteChunks, stdlib_files
-from lightning_paro.demo.model import GPT, GPTConfig
-from lightning_paro.strategy.checkpoint import convert_to_full
+DEFAULTS = ["strategy=paro", "strategy.sharding=IIG", "strategy.group_size=2", "trainer=cpu4", "run.name=demo"]
 
 
-class _Report(L.Callback):
-    """Collects what the summary shows, on each rank, before the strategy hands the module back."""
+def _run(command: str, overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "lightning_paro", command, *DEFAULTS, *overrides]
+    print(f"\n$ python -m lightning_paro {command} {' '.join(DEFAULTS + overrides)}", flush=True)
+    done = subprocess.run(cmd)
+    if done.returncode != 0:
+        raise SystemExit(f"demo: `{command}` failed with exit code {done.returncode}")
 
-    def on_train_end(self, trainer, pl_module):
-        s = trainer.strategy
-        pl_module.report = {"memory": s.memory_report(), "summary": s.summary(),
-                            "traffic": [(t.intra, t.inter) for t in s.traffic_history]}
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _curve(losses: list[float], points: int = 12) -> str:
+    k = max(1, len(losses) // points)
+    means = [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]
+    return " ".join(f"{x:.2f}" for x in means) + f"   (mean per {k} optimizer step{'s' if k > 1 else ''})"
+
+
+def _run_dir(overrides: list[str]) -> Path:
+    for o in overrides:
+        if o.startswith("run.dir="):
+            return Path(o.split("=", 1)[1])
+    name = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.name=")), "demo")
+    return Path("runs") / name
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m lightning_paro.demo", description=__doc__)
-    ap.add_argument("--sharding", default="IIG", help="PaRO strategy, e.g. NIG, IIG, GGG (default IIG)")
-    ap.add_argument("--devices", type=int, default=4, help="processes (default 4)")
-    ap.add_argument("--group-size", type=int, default=2, help="ranks per group (default 2: 2 groups of 2)")
-    ap.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
-    ap.add_argument("--accumulate", type=int, default=2, help="micro-steps per optimizer step (default 2)")
-    ap.add_argument("--train-bytes", type=int, default=600_000, help="bytes of stdlib source to train on")
-    ap.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    args = ap.parse_args(argv)
-
-    torch.manual_seed(0)
-    cfg = GPTConfig()
-    out = Path(args.out)
-    train_files = stdlib_files(args.train_bytes)
-    held_out = stdlib_files(100_000, skip=len(train_files))
-    train = DataLoader(ByteChunks(train_files, cfg.seq_len), batch_size=8, shuffle=True)
-    val = DataLoader(ByteChunks(held_out, cfg.seq_len), batch_size=16)
-    model = GPT(cfg)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
-        strategy=PaROStrategy(sharding=args.sharding, group_size=args.group_size), gradient_clip_val=1.0,
-        logger=L.pytorch.loggers.CSVLogger(out, name="logs"), log_every_n_steps=5, enable_checkpointing=False,
-        limit_val_batches=20, val_check_interval=args.steps * args.accumulate, callbacks=[_Report()],
-        default_root_dir=out,
-    )
-    t0 = time.perf_counter()
-    trainer.fit(model, train, val)
-    elapsed = time.perf_counter() - t0
-    sharded = out / "checkpoint"
-    trainer.save_checkpoint(sharded)  # sharded: every rank writes its part, once
-    if trainer.global_rank != 0:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(o in ("-h", "--help") for o in overrides):
+        print(__doc__)
         return
-    ckpt = convert_to_full(sharded, out / "gpt.ckpt")  # one file, loadable with GPT.load_from_checkpoint
-    rep = model.report
-    losses = model.step_losses
-    k = max(1, len(losses) // 12)
-    curve = [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]
-    intra = sum(t[0] for t in rep["traffic"]) / len(rep["traffic"])
-    inter = sum(t[1] for t in rep["traffic"]) / len(rep["traffic"])
-    summary = {
-        "sharding": args.sharding, "processes": args.devices, "group_size": args.group_size,
-        "parameters": sum(p.numel() for p in model.parameters()), "seconds": round(elapsed, 1),
-        "loss_curve": [round(x, 3) for x in curve], "intra_bytes_per_step": intra, "inter_bytes_per_step": inter,
-        "memory_rank0": rep["memory"], "val_bits_per_byte": float(trainer.callback_metrics.get("val_bits_per_byte", 0)),
-        "checkpoint": str(sharded), "full_checkpoint": str(ckpt), "logs": str(Path(trainer.logger.log_dir)),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\n" + rep["summary"])
-    print(f"\nloss curve (mean per {k} micro-steps): " + " ".join(f"{x:.2f}" for x in curve))
-    print(f"held-out bits per byte: {summary['val_bits_per_byte']:.3f}")
-    print(f"trained {summary['parameters']:,} parameters in {elapsed:.1f} s")
-    print(f"outputs: {out}/ (summary.json, sharded checkpoint {sharded.name}/, consolidated {ckpt.name},"
-          f" logs in {summary['logs']})")
+    _run("fit", overrides)
+    _run("predict", overrides)
+    run_dir = _run_dir(overrides).resolve()
+    fit = json.loads((run_dir / "summary.json").read_text())
+    pred = json.loads((run_dir / "predict.json").read_text())
+    mem = fit.get("memory_bytes_rank0", {})
+    lines = [
+        "",
+        "=" * 78,
+        f"demo summary: {fit['strategy']} on {fit['world_size']} processes, {fit['optimizer_steps']} optimizer steps"
+        f" in {fit['seconds']} s",
+        f"  loss curve (rank 0): {_curve(fit['loss_per_step_rank0'])}",
+    ]
+    if fit.get("val_bits_per_byte") is not None:
+        lines.append(f"  held-out bits per byte after training: {fit['val_bits_per_byte']:.3f}")
+    if "intra_bytes_per_step" in fit:
+        lines.append(f"  bytes sent per optimizer step by each rank: {_mb(fit['intra_bytes_per_step'])} inside its"
+                     f" group, {_mb(fit['inter_bytes_per_step'])} between groups")
+    if mem:
+        lines.append(f"  model states on rank 0: parameters {_mb(mem['params'])}, gradients {_mb(mem['grads'])},"
+                     f" optimizer {_mb(mem['optim'])}")
+    lines += [
+        f"  batch prediction: {pred['files']} held-out files scored, {pred['bits_per_byte']:.3f} bits per byte"
+        f" (easiest {Path(pred['easiest']).name}, hardest {Path(pred['hardest']).name})",
+        "  outputs:",
+        f"    checkpoint   {fit['checkpoint']}",
+        f"    predictions  {pred['output_dir']}  (lightning_paro.predict.read_predictions)",
+        f"    logs         {fit['logs']}",
+        f"    summaries    {run_dir / 'summary.json'}, {run_dir / 'predict.json'}",
+        "=" * 78,
+    ]
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
