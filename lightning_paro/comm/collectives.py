@@ -44,9 +44,11 @@ class CommHandle:
 class Communicator:
     """Issues the collectives of one rank over a :class:`Topology` and records their traffic in a meter."""
 
-    def __init__(self, topology: Topology, meter: TrafficMeter | None = None) -> None:
+    def __init__(self, topology: Topology, meter: TrafficMeter | None = None,
+                 device: torch.device | None = None) -> None:
         self.topology = topology
         self.meter = meter if meter is not None else TrafficMeter()
+        self.device = device
         self._groups = topology.groups
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="paro-comm", daemon=True)
@@ -123,6 +125,10 @@ class Communicator:
         return None
 
     def _run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            # A new thread starts on device 0: make this rank's device current, so that buffers it allocates and
+            # the streams its collectives order against are this rank's.
+            torch.cuda.set_device(self.device)
         while True:
             item = self._queue.get()
             if item is None:

@@ -264,7 +264,7 @@ class PaROStrategy(ParallelStrategy):
                 self._comm.close()
                 self._comm = None
         if self._comm is None:
-            self._comm = Communicator(self.topology, self.meter)
+            self._comm = Communicator(self.topology, self.meter, device=self.root_device)
         raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
         master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
         assert self.lightning_module is not None
