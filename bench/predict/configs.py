@@ -148,7 +148,7 @@ def pipeline(url, rows, out: Path, fetch_threads: int, max_replicas: int) -> dic
             "replicas": report.replicas}
 
 
-def model_limit(multi: bool, rows: int = 640) -> dict:
+def model_limit(multi: bool, measure_rows: int = 640) -> dict:
     """Each model alone on pre-built token batches, one thread: the compute stage's standalone throughput."""
     tokens = torch.randint(0, 4096, (BATCH, 64))
     encoder = build_encoder()
@@ -156,16 +156,16 @@ def model_limit(multi: bool, rows: int = 640) -> dict:
     with torch.inference_mode():
         encoder(tokens)
         start = time.perf_counter()
-        for _ in range(rows // BATCH):
+        for _ in range(measure_rows // BATCH):
             embedding = encoder(tokens)
-        result["encoder_rows_per_s"] = rows / (time.perf_counter() - start)
+        result["encoder_rows_per_s"] = measure_rows / (time.perf_counter() - start)
         if multi:
             scorer = build_scorer()
             scorer(embedding)
             start = time.perf_counter()
-            for _ in range(rows // BATCH):
+            for _ in range(measure_rows // BATCH):
                 scorer(embedding)
-            result["scorer_rows_per_s"] = rows / (time.perf_counter() - start)
+            result["scorer_rows_per_s"] = measure_rows / (time.perf_counter() - start)
     return result
 
 

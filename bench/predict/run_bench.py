@@ -102,7 +102,7 @@ def main() -> None:
             print(f"latency-bound read path ({args.latency_ms} ms per row), {rows} rows", flush=True)
             lat = results["latency_bound"] = {}
             lat["read_limit"] = run_one("read_limit", url, 600, workdir, concurrency=2 * ft)
-            lat["model_limit"] = run_one("model_limit", None, 0, workdir, multi=True, rows=1280)
+            lat["model_limit"] = run_one("model_limit", None, 0, workdir, multi=True, measure_rows=1280)
             lat["baseline_single"] = run_one("baseline", url, rows, workdir, multi=False)
             lat["elastic_single"] = run_one("elastic", url, rows, workdir, multi=False, fetch_threads=ft)
             lat["elastic_single_no_fetch_threads"] = run_one("elastic", url, rows, workdir, multi=False, fetch_threads=1)
