@@ -110,9 +110,13 @@ def temp_path_for(final: Path, owner: str) -> Path:
 
 
 class ShardFileWriter:
-    """Streams one shard's rows, batch by batch, into a temporary file; ``finish`` publishes it."""
+    """Streams one shard's rows, batch by batch, into a temporary file; ``finish`` publishes it.
 
-    def __init__(self, final: Path, fmt: str, owner: str) -> None:
+    Parquet batches are gathered into row groups of about ``row_group_rows`` rows: one row group per
+    small batch would make files slow to write and to read, while memory stays bounded by one group.
+    """
+
+    def __init__(self, final: Path, fmt: str, owner: str, row_group_rows: int = 8192) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
         self.final = final
@@ -123,6 +127,9 @@ class ShardFileWriter:
         self._file = open(self.temp, "wb") if fmt == "jsonl" else None
         self._parquet: Optional[pq.ParquetWriter] = None
         self._schema: Optional[pa.Schema] = None
+        self._row_group_rows = row_group_rows
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
 
     def write(self, table: pa.Table) -> None:
         if self._schema is None:
@@ -130,15 +137,26 @@ class ShardFileWriter:
         elif table.schema != self._schema:
             table = table.cast(self._schema)
         if self.fmt == "parquet":
-            if self._parquet is None:
-                self._parquet = pq.ParquetWriter(str(self.temp), self._schema)
-            self._parquet.write_table(table)
+            self._pending.append(table)
+            self._pending_rows += table.num_rows
+            if self._pending_rows >= self._row_group_rows:
+                self._flush_row_group()
         else:
             lines = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in table.to_pylist())
             self._file.write(lines.encode())
         self.rows += table.num_rows
 
+    def _flush_row_group(self) -> None:
+        if not self._pending:
+            return
+        if self._parquet is None:
+            self._parquet = pq.ParquetWriter(str(self.temp), self._schema)
+        self._parquet.write_table(pa.concat_tables(self._pending), row_group_size=max(self._pending_rows, 1))
+        self._pending, self._pending_rows = [], 0
+
     def finish(self) -> PublishResult:
+        if self.fmt == "parquet":
+            self._flush_row_group()
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
