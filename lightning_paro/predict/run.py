@@ -8,7 +8,6 @@ import os
 import socket
 import threading
 import uuid
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torch.utils.data import DataLoader
@@ -22,8 +21,14 @@ from lightning_paro.predict.ledger import Lease, Ledger
 from lightning_paro.predict.loader import sharded_dataloader
 from lightning_paro.predict.manifest import finalize_job
 from lightning_paro.predict.progress import read_progress
+from lightning_paro.predict.reader import read_errors
 from lightning_paro.predict.sampler import InFlightShards, ShardBatchSampler
-from lightning_paro.predict.writer import ErrorBudgetExceededError, ShardWriter, acknowledge_existing
+from lightning_paro.predict.writer import (
+    ErrorBudgetExceededError,
+    ShardWriter,
+    acknowledge_existing,
+    error_budget_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +141,6 @@ class WorkerRun:
             )
             failed = self.manifest["rows_failed"]
             if failed > self.config.max_failed_rows:
-                from lightning_paro.predict.reader import read_errors
-                from lightning_paro.predict.writer import error_budget_message
-
                 raise ErrorBudgetExceededError(
                     error_budget_message(
                         failed,

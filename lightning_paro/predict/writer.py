@@ -13,7 +13,6 @@ import pyarrow as pa
 from lightning_paro.predict import shard_files
 from lightning_paro.predict.batch import BatchTicket, RowFailure, StepOutcome
 from lightning_paro.predict.columns import prediction_columns
-from lightning_paro.predict.db import LedgerUnavailableError
 from lightning_paro.predict.heartbeat import ProgressClock
 from lightning_paro.predict.ledger import CommitResult, Lease, Ledger
 from lightning_paro.predict.sampler import InFlightShards
@@ -231,10 +230,9 @@ class ShardWriter(threading.Thread):
             published = shard_files.publish_shard(shard.file)
             file_name = published.path.name
             rows = shard.file.rows if published.created else shard_files.count_rows(published.path, self.fmt)
-        try:
-            result = ledger.commit(ticket.shard_id, self.owner, rows, len(shard.failures), file_name)
-        except LedgerUnavailableError:
-            raise
+        # an unreachable ledger raises here: the file stays published but uncommitted, and the next
+        # lease of this shard acknowledges it (acknowledge_existing) instead of recomputing it
+        result = ledger.commit(ticket.shard_id, self.owner, rows, len(shard.failures), file_name)
         self.in_flight.discard(ticket.shard_id)
         if result is CommitResult.SUPERSEDED:
             # split or poisoned meanwhile: this range is no longer a shard, its file must never be read

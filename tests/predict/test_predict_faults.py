@@ -147,7 +147,7 @@ def test_late_joiner_takes_shards_at_once_and_tail_is_speculated(tmp_path, worke
         assert time.monotonic() < deadline
         time.sleep(0.05)
     joined_at = time.time()
-    late = workers.start(JobSpec(**{**spec.__dict__, "worker_name": "late"}))
+    workers.start(JobSpec(**{**spec.__dict__, "worker_name": "late"}))
     while not any(s.owner == "late" for s in ledger.shards()):
         assert time.time() - joined_at < 5, "the late worker did not take a shard within 5 s of starting"
         time.sleep(0.02)
@@ -160,3 +160,17 @@ def test_late_joiner_takes_shards_at_once_and_tail_is_speculated(tmp_path, worke
     progress = read_progress(ledger)
     assert progress.complete and progress.done_rows == 1200
     assert_exact_output(out, 1200)
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_with_dataloader_processes_share_a_job_exactly(tmp_path, workers):
+    out = tmp_path / "out"
+    spec = JobSpec(output_dir=str(out), rows=600, shard_size=30, num_workers=2, step_sleep_s=0.005,
+                   extra={"fetch_threads": 3})
+    for name in ("a", "b"):
+        spec.worker_name = name
+        workers.start(spec)
+    assert workers.wait_all(timeout_s=45) == [0, 0]
+    committers = {s.committed_by for s in ledger_for(spec, out).shards((COMMITTED,))}
+    assert committers == {"a", "b"}
+    assert_exact_output(out, 600)
