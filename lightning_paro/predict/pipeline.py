@@ -63,6 +63,8 @@ class PipelineReport:
     """The job's manifest, when this run completed the job."""
     batches: int = 0
     """Batches this driver pushed through the pipeline."""
+    stage_restarts: int = 0
+    """Times the stages were restarted after a replica died."""
 
 
 def _call_model(model: torch.nn.Module, data: Any, batch_size: Optional[int], size: int) -> Any:
@@ -205,6 +207,7 @@ def run_pipeline(
     queue_size: int = 4,
     profile_batches: int = 2,
     start_method: str = "fork",
+    max_stage_restarts: int = 2,
     **settings: Any,
 ) -> PipelineReport:
     """Runs a chain of models over ``dataloader``'s dataset as one worker of an elastic prediction job.
@@ -212,7 +215,9 @@ def run_pipeline(
     ``settings`` are the fields of ``ElasticPredictConfig`` (ledger, shard_size, format, ...). Stage
     replica counts not given are chosen from a short profiling pass so that ``max_replicas``
     processes (default: the CPU count) are shared in proportion to each stage's cost. Several
-    drivers (on one or many machines) may run the same pipeline against the same job.
+    drivers (on one or many machines) may run the same pipeline against the same job. When a stage
+    replica dies, all stages are restarted and the batches in flight are replayed (at most
+    ``max_stage_restarts`` times); a batch's outcome is used once, so the output stays exact.
     """
     if not stages:
         raise ValueError("a pipeline needs at least one stage")
@@ -229,46 +234,33 @@ def run_pipeline(
         report.replicas = dict(fixed)
     log.info("pipeline replicas: %s", report.replicas)
 
-    ctx = multiprocessing.get_context(start_method)
-    queues = [ctx.Queue(maxsize=queue_size) for _ in stages]
-    results = ctx.Queue()
-    procs: list = []
-    for i, stage in enumerate(stages):
-        outbox = queues[i + 1] if i + 1 < len(stages) else None
-        for r in range(report.replicas[stage.name]):
-            proc = ctx.Process(
-                target=_stage_loop,
-                args=(stage, i == len(stages) - 1, config.row_retries, queues[i], outbox, results),
-                name=f"pipeline-{stage.name}-{r}",
-                daemon=True,
-            )
-            proc.start()
-            procs.append((stage.name, proc))
-
+    graph = _StageGraph(stages, report.replicas, config.row_retries, queue_size, start_method)
     run = WorkerRun(config, loader)
     max_in_flight = queue_size * len(stages) + sum(report.replicas.values())
+    pending: dict = {}  # seq -> packed input, for batches not yet back from the last stage (replayed on restart)
     done: dict = {}
-    sent = received = flushed = 0
+    sent = flushed = 0
+    failed = True
 
     def collect(block: bool) -> None:
-        nonlocal received
         try:
-            kind, key, payload = _unpack(results.get(timeout=0.2) if block else results.get_nowait())
-        except (queue.Empty, OSError, EOFError) as exc:
-            # a replica killed mid-transfer can also break the queue's pipe: report the death, not the symptom
-            for name, proc in procs:
-                if not proc.is_alive():
-                    raise PipelineStageError(
-                        f"a replica of pipeline stage {name!r} died (exit code {proc.exitcode}); committed shards are "
-                        "kept and rerunning resumes the job"
-                    ) from None
-            if not isinstance(exc, queue.Empty):
-                raise
+            seq, outcome = graph.next_result(block)
+        except StageDied as death:
+            if report.stage_restarts >= max_stage_restarts:
+                raise PipelineStageError(
+                    f"{death} and the pipeline was already restarted {report.stage_restarts} times "
+                    "(max_stage_restarts); committed shards are kept and rerunning resumes the job"
+                ) from None
+            report.stage_restarts += 1
+            log.warning("%s: restarting the stages and replaying %d in-flight batches", death, len(pending))
+            graph.restart()
+            for key in sorted(pending):
+                graph.submit(pending[key])
             return
-        if kind == "error":
-            raise PipelineStageError(f"pipeline stage {key!r} failed:\n{payload}")
-        done[key] = payload
-        received += 1
+        if seq is None or seq not in pending:
+            return  # nothing yet, or a duplicate of a batch replayed after a restart
+        del pending[seq]
+        done[seq] = outcome
 
     def flush() -> None:
         nonlocal flushed
@@ -276,22 +268,21 @@ def run_pipeline(
             run.on_batch_end(done.pop(flushed))
             flushed += 1
 
-    failed = True
     try:
         for batch in run.dataloader:
             if not batch.indices:
                 # nothing to predict (idle ticket, or every row failed to load): skip the stages
                 done[sent] = StepOutcome(ticket=batch.ticket, indices=[], ids=batch.ids, failures=list(batch.failures))
-                received += 1
             else:
-                while sent - received >= max_in_flight:
+                while len(pending) >= max_in_flight:
                     collect(block=True)
                     flush()
-                queues[0].put(_pack((sent, batch)))
+                pending[sent] = _pack((sent, batch))
+                graph.submit(pending[sent])
             sent += 1
             collect(block=False)
             flush()
-        while received < sent:
+        while pending:
             collect(block=True)
             flush()
         flush()
@@ -302,17 +293,91 @@ def run_pipeline(
         run.abort()
         raise
     finally:
-        for i, stage in enumerate(stages):
-            for _ in range(report.replicas.get(stage.name, 0)):
+        graph.stop(wait=not failed)
+        run.close()
+    return report
+
+
+class StageDied(RuntimeError):
+    """A stage replica process is gone (killed, crashed)."""
+
+
+class _StageGraph:
+    """The stage processes and the queues between them; rebuilt whole after a replica dies, because a
+    process killed while holding a queue's lock can leave that queue unusable for everyone."""
+
+    def __init__(self, stages, replicas: dict, row_retries: int, queue_size: int, start_method: str) -> None:
+        self.stages = list(stages)
+        self.replicas = replicas
+        self.row_retries = row_retries
+        self.queue_size = queue_size
+        self.ctx = multiprocessing.get_context(start_method)
+        self._start()
+
+    def _start(self) -> None:
+        ctx = self.ctx
+        self.queues = [ctx.Queue(maxsize=self.queue_size) for _ in self.stages]
+        self.results = ctx.Queue()
+        self.procs = []
+        last = len(self.stages) - 1
+        for i, stage in enumerate(self.stages):
+            outbox = self.queues[i + 1] if i < last else None
+            for r in range(self.replicas[stage.name]):
+                proc = ctx.Process(
+                    target=_stage_loop,
+                    args=(stage, i == last, self.row_retries, self.queues[i], outbox, self.results),
+                    name=f"pipeline-{stage.name}-{r}",
+                    daemon=True,
+                )
+                proc.start()
+                self.procs.append((stage.name, proc))
+
+    def submit(self, message: bytes) -> None:
+        """Puts a packed batch into the first stage's queue, watching for dead replicas while it is full."""
+        while True:
+            try:
+                self.queues[0].put(message, timeout=0.2)
+                return
+            except queue.Full:
+                self._check_alive()
+
+    def next_result(self, block: bool):
+        """``(seq, outcome)`` from the last stage, or ``(None, None)`` when nothing is ready."""
+        try:
+            message = self.results.get(timeout=0.2) if block else self.results.get_nowait()
+        except (queue.Empty, OSError, EOFError) as exc:
+            # a replica killed mid-transfer can also break the queue's pipe: report the death, not the symptom
+            self._check_alive()
+            if not isinstance(exc, queue.Empty):
+                raise
+            return None, None
+        kind, key, payload = _unpack(message)
+        if kind == "error":
+            raise PipelineStageError(f"pipeline stage {key!r} failed:\n{payload}")
+        return key, payload
+
+    def _check_alive(self) -> None:
+        for name, proc in self.procs:
+            if not proc.is_alive():
+                raise StageDied(f"a replica of pipeline stage {name!r} died (exit code {proc.exitcode})")
+
+    def restart(self) -> None:
+        self.stop(wait=False)
+        self._start()
+
+    def stop(self, wait: bool) -> None:
+        for i, stage in enumerate(self.stages):
+            for _ in range(self.replicas.get(stage.name, 0)):
                 try:
-                    queues[i].put_nowait(None)
-                except queue.Full:
+                    self.queues[i].put_nowait(None)
+                except (queue.Full, OSError, ValueError):
                     pass
-        for _, proc in procs:
+        for _, proc in self.procs:
             # after a failure, replicas may be blocked on a full queue forever: do not wait for them
-            proc.join(timeout=0 if failed else 5)
+            proc.join(timeout=5 if wait else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-        run.close()
-    return report
+        for q in [*self.queues, self.results]:
+            q.cancel_join_thread()  # never block interpreter exit on a queue nobody reads any more
+            q.close()

@@ -38,9 +38,22 @@ class Head(torch.nn.Module):
         rows = [int(h // 3) for h in batch["h"].tolist()]
         if 77 in rows:
             raise ValueError("head cannot score row 77")
-        if self.die_on_row is not None and self.die_on_row in rows and os.environ.get("PIPELINE_TEST_DIE") == "1":
+        if self.die_on_row is not None and self.die_on_row in rows and _should_die():
             os.kill(os.getpid(), signal.SIGKILL)
         return {"y": batch["h"] + 1.0}
+
+
+def _should_die() -> bool:
+    """PIPELINE_TEST_DIE=always: die every time; =once:PATH: die the first time only (PATH marks it)."""
+    mode = os.environ.get("PIPELINE_TEST_DIE", "")
+    if mode == "always":
+        return True
+    if mode.startswith("once:"):
+        marker = mode[len("once:"):]
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            return True
+    return False
 
 
 def build_embed():
@@ -89,11 +102,22 @@ def test_profiling_pass_chooses_replica_counts(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_dead_stage_fails_clearly_and_a_rerun_completes_exactly(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setenv("PIPELINE_TEST_DIE", "1")
+    monkeypatch.setenv("PIPELINE_TEST_DIE", "always")
     stages = [PipelineStage("embed", build_embed, replicas=1), PipelineStage("head", build_dying_head, replicas=1)]
-    with pytest.raises(PipelineStageError, match="stage 'head' died"):
-        run_pipeline(stages, loader(300), str(out), shard_size=50, max_failed_rows=1, lease_ttl_s=5.0)
+    with pytest.raises(PipelineStageError, match="stage 'head' died .*already restarted 1 times"):
+        run_pipeline(stages, loader(300), str(out), shard_size=50, max_failed_rows=1, lease_ttl_s=5.0,
+                     max_stage_restarts=1)
     assert not (out / "manifest.json").exists()
-    monkeypatch.setenv("PIPELINE_TEST_DIE", "0")
+    monkeypatch.setenv("PIPELINE_TEST_DIE", "")
     run_pipeline(stages, loader(300), str(out), shard_size=50, max_failed_rows=1, lease_ttl_s=5.0)
+    assert_exact_output(out, 300, skip={77})
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_replica_that_dies_once_is_restarted_and_its_batches_replayed(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv("PIPELINE_TEST_DIE", f"once:{tmp_path / 'died'}")
+    stages = [PipelineStage("embed", build_embed, replicas=1), PipelineStage("head", build_dying_head, replicas=2)]
+    report = run_pipeline(stages, loader(300), str(out), shard_size=50, max_failed_rows=1, lease_ttl_s=5.0)
+    assert (tmp_path / "died").exists() and report.stage_restarts == 1
     assert_exact_output(out, 300, skip={77})
