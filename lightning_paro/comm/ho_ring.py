@@ -12,7 +12,9 @@ chunks and the phases form a pipeline: while chunk k is on the inter links, chun
 and chunk k-1 in its intra all-gather. Each phase has its own worker thread and its own process groups, so the phases
 of different chunks are in flight at the same time without racing each other or any other communicator. A phase
 has one group per direction (lower rank to higher, and back): gloo serialises the two directions of one connection,
-and an exchange over a single group would use only half of a full-duplex link.
+and an exchange over a single group would use only half of a full-duplex link. A phase also keeps two chunks in
+flight, posting the messages of the next before waiting for those of the previous, so that a slow peer's last
+messages do not leave the link idle.
 
 Every phase is built from point-to-point sends of views of the caller's buffers: each rank sends every peer exactly
 the slice that peer owns and sums what it receives (a one-step all-to-all). That moves the ideal volume,
@@ -267,7 +269,8 @@ class HORingGroups:
         """Global ranks of this rank's rail, by group index."""
 
         # new_group is collective over the default group: every rank creates every group, in the same order.
-        def per_group_and_rail(members_of: Callable[[int], list[int]], count: int, mine: int) -> Callable[[], object]:
+        def one_group_each(members_of: Callable[[int], list[int]], count: int, mine: int) -> Callable[[], object]:
+            """A creator of the ``count`` groups ``members_of(c)`` (collective) that returns the one this rank is in."""
             def create():
                 chosen = None
                 for c in range(count):
@@ -288,11 +291,11 @@ class HORingGroups:
         self.flat = _Phase("flat", lambda: dist.new_group(list(range(n))))
         self.intra_scatter = self.inter_scatter = self.inter_gather = self.intra_gather = None
         if m > 1:
-            self.intra_scatter = _Phase("intra-scatter", per_group_and_rail(intra_of, g, self.group_index))
-            self.intra_gather = _Phase("intra-gather", per_group_and_rail(intra_of, g, self.group_index))
+            self.intra_scatter = _Phase("intra-scatter", one_group_each(intra_of, g, self.group_index))
+            self.intra_gather = _Phase("intra-gather", one_group_each(intra_of, g, self.group_index))
         if g > 1:
-            self.inter_scatter = _Phase("inter-scatter", per_group_and_rail(rail_of, m, self.local_index))
-            self.inter_gather = _Phase("inter-gather", per_group_and_rail(rail_of, m, self.local_index))
+            self.inter_scatter = _Phase("inter-scatter", one_group_each(rail_of, m, self.local_index))
+            self.inter_gather = _Phase("inter-gather", one_group_each(rail_of, m, self.local_index))
 
 
 def create_groups(topology: Topology, rank_order: Sequence[int] | None = None) -> HORingGroups:
