@@ -66,6 +66,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("4x2-rank-contiguous-100m", 4, 2, 100, "rank", "contiguous", (16,)),
 ]}
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+COLORS = {"flat": "tab:blue", "hier": "tab:orange", "comm-global": "tab:green", "ho-ring": "tab:red"}
 
 
 # ------------------------------------------------------------------------------------------------- byte model
@@ -247,7 +248,7 @@ def plot(results: list[dict], path: Path) -> bool:
                 pts = sorted((r["size_mib"], r["busbw_MBps"]) for r in res["rows"]
                              if r["collective"] == coll and r["impl"] == impl)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, color=COLORS[impl])
             ax.set_xscale("log", base=2)
             ax.set_title(f"{res['scenario']['name']}: {coll}", fontsize=9)
             ax.set_xlabel("MiB")
@@ -287,7 +288,9 @@ def main() -> None:
     (args.out / "summary.md").write_text(
         "# Collective benchmark results\n\nMedians of the repetitions on the emulated cluster (bench/cluster.py); "
         "measured on a 2-core machine shared with other jobs, so times are noisy.\n\n" + table(results) + "\n")
-    if len({r["scenario"]["name"] for r in results}) == len(results):  # one result per scenario: a size sweep
+    one_per_scenario = len({r["scenario"]["name"] for r in results}) == len(results)
+    several_sizes = any(len({row["size_mib"] for row in r["rows"]}) > 1 for r in results)
+    if one_per_scenario and several_sizes:  # a plot of busbw against size says something
         plot(results, args.out / "collectives.png")
 
 
