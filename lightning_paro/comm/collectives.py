@@ -21,10 +21,15 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_paro.comm import ho_ring
 from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
+from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
 
 Scope = Literal["intra", "inter", "global"]
+
+HOR_EXACT_SCOPES = HORingConfig(flat_below_bytes=0)
+"""HO-Ring as the Communicator runs it: never the flat fallback, so every byte crosses the scope it is recorded in."""
 ReduceOp = Literal["sum", "avg"]
 
 
@@ -45,11 +50,17 @@ class Communicator:
     """Issues the collectives of one rank over a :class:`Topology` and records their traffic in a meter."""
 
     def __init__(self, topology: Topology, meter: TrafficMeter | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, ho_ring_config: HORingConfig | None = HOR_EXACT_SCOPES) -> None:
         self.topology = topology
         self.meter = meter if meter is not None else TrafficMeter()
         self.device = device
         self._groups = topology.groups
+        # Global collectives run as HO-Ring (chunked, intra and inter phases overlapped on their own groups);
+        # None keeps the plain two-phase version. Creating the groups is collective, like the ones above.
+        self.ho_ring_config = ho_ring_config
+        self._ho_groups = (ho_ring.create_groups(topology)
+                           if ho_ring_config is not None and topology.num_groups > 1 and topology.group_size > 1
+                           else None)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="paro-comm", daemon=True)
         self._thread.start()
@@ -184,7 +195,9 @@ class Communicator:
         return full[j * size:(j + 1) * size]
 
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope) -> None:
-        if scope == "global":
+        if scope == "global" and self._ho_groups is not None:
+            ho_ring.all_gather(out, shard, self.topology, config=self.ho_ring_config, groups=self._ho_groups)
+        elif scope == "global":
             block = self._block(out)
             self._phase_all_gather(block, shard, INTER)
             self._phase_all_gather(out, block, INTRA)
@@ -192,6 +205,10 @@ class Communicator:
             self._phase_all_gather(out, shard, scope)
 
     def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp) -> None:
+        if scope == "global" and self._ho_groups is not None:
+            ho_ring.reduce_scatter(out, full, self.topology, op=op, config=self.ho_ring_config,
+                                   groups=self._ho_groups)
+            return
         if scope == "global":
             block = torch.empty(full.numel() // self.topology.group_size, dtype=full.dtype, device=full.device)
             self._phase_reduce_scatter(block, full, INTRA)
@@ -204,6 +221,9 @@ class Communicator:
             out.div_(k)
 
     def _all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp) -> None:
+        if scope == "global" and self._ho_groups is not None:
+            ho_ring.all_reduce(tensor, self.topology, op=op, config=self.ho_ring_config, groups=self._ho_groups)
+            return
         if scope == "global":
             # the reduced intra block lives in a scratch buffer: reduce-scatter cannot write into its own input
             tmp = torch.empty(tensor.numel() // self.topology.group_size, dtype=tensor.dtype, device=tensor.device)
