@@ -37,6 +37,8 @@ class JobSpec:
     poison_model_rows: tuple = ()
     hang_rows: tuple = ()
     crash_after_publishes: Optional[int] = None
+    crash_marker: Optional[str] = None
+    start_barrier: Optional[tuple] = None
     lease_ttl_s: float = 2.0
     stall_timeout_s: float = 600.0
     speculate_after_s: Optional[float] = None
@@ -106,8 +108,11 @@ def make_callback(spec: JobSpec) -> ElasticPredict:
     )
 
 
-def install_crash_after_publishes(count: int) -> None:
-    """SIGKILLs this process right after its ``count``-th shard file is published, before the ledger commit."""
+def install_crash_after_publishes(count: int, marker: Optional[str] = None) -> None:
+    """SIGKILLs this process right after its ``count``-th shard file is published, before the ledger commit.
+
+    ``marker``, when given, is created just before dying, so a test can tell the crash happened.
+    """
     original = shard_files.publish_shard
     seen = {"n": 0}
 
@@ -115,16 +120,31 @@ def install_crash_after_publishes(count: int) -> None:
         result = original(writer)
         seen["n"] += 1
         if seen["n"] >= count:
+            if marker:
+                open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
     shard_files.publish_shard = publish_then_die
 
 
+def wait_for_files(mine: str, others: tuple, timeout_s: float = 120.0) -> None:
+    """A test-only start barrier: creates ``mine`` and waits until every path in ``others`` exists, so a
+    crash scenario cannot be skipped by one worker finishing the whole job before the other starts."""
+    open(mine, "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(p) for p in others):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"start barrier: {others} not all present after {timeout_s} s")
+        time.sleep(0.02)
+
+
 def run_job(spec: JobSpec) -> ElasticPredict:
     """Runs one worker to the end of the job in this process; returns its callback (manifest, run stats)."""
     if spec.crash_after_publishes is not None:
-        install_crash_after_publishes(spec.crash_after_publishes)
+        install_crash_after_publishes(spec.crash_after_publishes, spec.crash_marker)
+    if spec.start_barrier is not None:
+        wait_for_files(*spec.start_barrier)
     callback = make_callback(spec)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -159,7 +179,11 @@ if __name__ == "__main__":
     # CRASH_RANK, when given, SIGKILLs itself after its second published shard in torchrun's first attempt only.
     spec = JobSpec(output_dir=sys.argv[1], rows=int(sys.argv[2]), step_sleep_s=0.01, lease_ttl_s=1.0,
                    worker_name=f"rank{os.environ.get('RANK')}-try{os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
-    if len(sys.argv) > 3 and os.environ.get("RANK") == sys.argv[3] and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-        spec.crash_after_publishes = 2
+    if len(sys.argv) > 3 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        # first attempt: all ranks start together, then rank CRASH_RANK dies after its second shard
+        ready = [f"{sys.argv[1]}.rank{r}.ready" for r in range(int(os.environ["WORLD_SIZE"]))]
+        spec.start_barrier = (ready[int(os.environ["RANK"])], tuple(ready))
+        if os.environ.get("RANK") == sys.argv[3]:
+            spec.crash_after_publishes = 2
     callback = run_job(spec)
     print(f"worker {spec.worker_name} committed={callback.run.writer.shards_committed}", flush=True)

@@ -51,12 +51,16 @@ def test_torchrun_elastic_workers_with_a_crash_and_restart(tmp_path):
 
 
 def replica_target(context: ReplicaContext) -> None:
-    """Slot 0's first incarnation dies right after publishing its second shard, before committing it."""
+    """Slot 0's first incarnation dies right after publishing its second shard, before committing it;
+    slot 1 starts only once that happened, so it cannot finish the job first and skip the crash."""
     out = os.environ["PREDICT_REPLICA_TEST_OUT"]
+    died = out + ".slot0-died"
     spec = JobSpec(output_dir=out, rows=500, shard_size=25, step_sleep_s=0.005, lease_ttl_s=30.0,
                    worker_name=context.worker_name)
     if context.slot == 0 and context.restart == 0:
-        spec.crash_after_publishes = 2
+        spec.crash_after_publishes, spec.crash_marker = 2, died
+    elif context.slot == 1:
+        spec.start_barrier = (out + ".slot1-ready", (died,))
     run_job(spec)
 
 
