@@ -52,32 +52,8 @@ def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float
         gathers: parameter gathers per micro-step: 2 for a unit (before forward and before backward), 1 for the
             root unit, which stays gathered from the start of the forward to the end of the backward.
     """
-    P, G, OS = spec.params, spec.grads, spec.optim
-    S, T = params_bytes, trainable_bytes
-    # Per micro-step: gather P before forward and again before backward; reduce-scatter G after backward.
-    gather = _scale(_ag(P, S, m, g), gathers)
-    reduce = _ag(G, T, m, g)  # a reduce-scatter moves what the matching all-gather moves
-    micro = _add(gather, reduce)
-    # Once per step: gradient sync G -> OS.
-    if G == Level.N:
-        if OS == Level.N:
-            syncg = Traffic(2 * (m - 1) / m * T, 2 * (g - 1) / g * T / m)
-        elif OS == Level.I:
-            syncg = Traffic((m - 1) / m * T, 2 * (g - 1) / g * T / m)
-        else:
-            syncg = _ag(Level.G, T, m, g)
-    elif G == Level.I:
-        syncg = Traffic(0, (2 if OS == Level.I else 1) * (g - 1) / g * T / m)
-    else:
-        syncg = Traffic(0, 0)
-    # Parameter sync OS -> P (trainable parameters only: frozen ones never change).
-    if OS == P:
-        syncp = Traffic(0, 0)
-    elif P == Level.N:
-        syncp = _ag(OS, T, m, g)
-    else:  # G -> I
-        syncp = Traffic(0, (g - 1) / g * T / m)
-    return _add(_scale(micro, accumulation), syncg, syncp)
+    return _step(spec, params_bytes, trainable_bytes, m, g, accumulation, gathers,
+                 lambda level, S: _ag(level, S, m, g))
 
 
 def flat_step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, n: int,
@@ -90,23 +66,33 @@ def flat_step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: 
             return Traffic(0, (n - 1) / n * S)
         return Traffic(0, 0)
 
-    g = n // m
+    return _step(spec, params_bytes, trainable_bytes, m, n // m, accumulation, 2, vol)
+
+
+def _step(spec: ShardingSpec, S: float, T: float, m: int, g: int, accumulation: int, gathers: int,
+          vol) -> Traffic:
+    """The volumes of paro.md section 4; ``vol(level, S)`` is what an all-gather (or reduce-scatter) of S bytes
+    from level-``level`` shards sends, which is where the two accountings differ."""
     P, G, OS = spec.params, spec.grads, spec.optim
-    S, T = params_bytes, trainable_bytes
-    micro = _add(_scale(vol(P, S), 2), vol(G, T))
+    # Per micro-step: gather P before forward (and before backward); reduce-scatter G after backward.
+    micro = _add(_scale(vol(P, S), gathers), vol(G, T))
+    rail = (g - 1) / g * T / m  # one reduce-scatter or all-gather of a 1/m slice over the rail
+    # Once per step: gradient sync G -> OS.
     if G == Level.N:
-        syncg = {Level.N: Traffic(0, 2 * (n - 1) / n * T), Level.I: Traffic((m - 1) / m * T, 2 * (g - 1) / g * T / m),
+        syncg = {Level.N: _scale(vol(Level.G, T), 2),  # all-reduce = reduce-scatter + all-gather
+                 Level.I: _add(vol(Level.I, T), Traffic(0, 2 * rail)),
                  Level.G: vol(Level.G, T)}[OS]
     elif G == Level.I:
-        syncg = Traffic(0, (2 if OS == Level.I else 1) * (g - 1) / g * T / m)
+        syncg = Traffic(0, (2 if OS == Level.I else 1) * rail)
     else:
         syncg = Traffic(0, 0)
+    # Parameter sync OS -> P (trainable parameters only: frozen ones never change).
     if OS == P:
         syncp = Traffic(0, 0)
     elif P == Level.N:
         syncp = vol(OS, T)
-    else:
-        syncp = Traffic(0, (g - 1) / g * T / m)
+    else:  # G -> I
+        syncp = Traffic(0, rail)
     return _add(_scale(micro, accumulation), syncg, syncp)
 
 
