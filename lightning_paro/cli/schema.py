@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_paro.demo.model import GPTConfig
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; ``key`` is its dotted name, the message says what to do."""
@@ -125,23 +127,11 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
-class GPTModelConfig:
-    """The demo's byte-level GPT (``lightning_paro.demo.GPT``)."""
+class GPTModelConfig(GPTConfig):
+    """The demo's byte-level GPT (``lightning_paro.demo.GPT``): its ``GPTConfig`` fields, plus the family name."""
 
     name: str = "gpt"
     """The model family (only gpt in this version)."""
-    vocab: int = 256
-    """Vocabulary (bytes)."""
-    seq_len: int = 64
-    """Context length in bytes."""
-    dim: int = 96
-    """Model width; divisible by heads."""
-    heads: int = 4
-    """Attention heads."""
-    layers: int = 4
-    """Transformer blocks (the units the strategy gathers and frees)."""
-    lr: float = 3e-3
-    """AdamW learning rate."""
 
 
 @dataclass(frozen=True)

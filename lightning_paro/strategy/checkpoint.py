@@ -17,10 +17,9 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -148,13 +147,6 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
 
 # ---------------------------------------------------------------------- state dicts in the checkpoint's terms
-def _param_names(module: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
-
-
 def model_state(engine: PaROEngine, for_save: bool) -> dict[str, Any]:
     """The module's state dict with parameters as :class:`FlatChunks` (every alias of a tied parameter included)."""
     out: dict[str, Any] = {}
@@ -415,9 +407,6 @@ def stored_shapes(metadata, prefix: str) -> dict[str, torch.Size]:
             out[key[len(prefix) + 1:]] = md.size
     return out
 
-
-def names_in(groups: Iterable[Iterable[str]]) -> list[str]:
-    return [n for g in groups for n in g]
 
 
 # ---------------------------------------------------------------------- sharded -> full

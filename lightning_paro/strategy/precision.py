@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING, Union
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
-from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning_paro.strategy.engine import PaROEngine
 
 
 class _ShardedClipping:
-    """Mixin: ``clip_grad_by_norm`` through the engine (value clipping is element-wise and needs no change)."""
+    """Mixin, listed first so its ``clip_grad_by_norm`` wins: the norm goes through the engine (value clipping is
+    element-wise and needs no change)."""
 
     paro_engine: PaROEngine | None = None
 
@@ -26,26 +26,14 @@ class _ShardedClipping:
 class PaROPrecision(_ShardedClipping, Precision):
     """``precision="32-true"`` (or 64) under the PaRO strategy."""
 
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        _ShardedClipping.clip_grad_by_norm(self, optimizer, clip_val)
-
 
 class PaROMixedPrecision(_ShardedClipping, MixedPrecision):
     """``precision="bf16-mixed"`` under the PaRO strategy: autocast compute, fp32 parameters, so the
     optimizer shard is the fp32 master copy."""
 
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        _ShardedClipping.clip_grad_by_norm(self, optimizer, clip_val)
-
 
 class PaROHalfPrecision(_ShardedClipping, HalfPrecision):
     """``precision="bf16-true"``: bf16 parameters and gradients, fp32 master weights in the optimizer shard."""
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        _ShardedClipping.clip_grad_by_norm(self, optimizer, clip_val)
 
 
 def to_paro_precision(plugin: Precision) -> Precision:
