@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -63,15 +62,11 @@ def build_strategy(cfg: Config) -> Strategy:
     s = cfg.strategy
     timeout = timedelta(seconds=s.timeout_s)
     if isinstance(s, ParoStrategyConfig):
-        extra: dict[str, Any] = {}
-        if "state_dict_type" in inspect.signature(PaROStrategy.__init__).parameters:
-            extra["state_dict_type"] = s.state_dict_type
-        elif s.state_dict_type != "full":  # versions before sharded checkpoints write full ones only
-            raise ConfigError("strategy.state_dict_type", "this version of PaROStrategy writes full checkpoints only")
         sharding = s.sharding.upper() if s.sharding.upper() in VALID_STRATEGIES else s.sharding
         return PaROStrategy(sharding=sharding, group_size=s.group_size, units=_units(s.units),
-                            prefetch=s.prefetch, log_traffic=s.log_traffic, start_method=s.start_method,
-                            process_group_backend=s.process_group_backend, timeout=timeout, **extra)
+                            prefetch=s.prefetch, chunk_bytes=s.chunk_bytes, log_traffic=s.log_traffic,
+                            state_dict_type=s.state_dict_type, start_method=s.start_method,
+                            process_group_backend=s.process_group_backend, timeout=timeout)
     if isinstance(s, DDPStrategyConfig):
         return DDPStrategy(start_method=s.start_method, find_unused_parameters=s.find_unused_parameters,
                            process_group_backend=s.process_group_backend, timeout=timeout)

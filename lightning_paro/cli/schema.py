@@ -37,6 +37,8 @@ class ParoStrategyConfig:
     """Blocks gathered and freed together: "auto" (the repeated blocks) or a list of dotted module class names."""
     prefetch: int = 1
     """Units gathered ahead of the one computing (0: no prefetch)."""
+    chunk_bytes: Optional[int] = None
+    """Pipeline chunk of the HO-Ring collectives between groups, in bytes; null: the measured default (2 MiB)."""
     log_traffic: bool = True
     """Log paro/intra_bytes and paro/inter_bytes per optimizer step to the Trainer's loggers."""
     state_dict_type: str = "full"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -37,7 +38,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_paro.comm.accounting import TrafficMeter
-from lightning_paro.comm.collectives import Communicator
+from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
 from lightning_paro.comm.topology import Topology
 from lightning_paro.strategy import checkpoint as ckpt
 from lightning_paro.strategy.auto import AutoConfig, Plan, format_plan, plan_for_job
@@ -62,6 +63,8 @@ class PaROStrategy(ParallelStrategy):
         units: which submodules are gathered and freed together: ``"auto"`` (the repeated blocks), a list of module
             classes, or a predicate ``(name, module) -> bool``.
         prefetch: how many units ahead to gather while the current one computes (0: no prefetch).
+        chunk_bytes: pipeline chunk of the HO-Ring collectives that span groups, in bytes of the full buffer
+            (``None``: the measured default, 2 MiB).
         log_traffic: log ``paro/intra_bytes`` and ``paro/inter_bytes`` per optimizer step to the Trainer's loggers.
         auto: options of ``sharding="auto"`` (memory budget, given link bandwidths, compute time per micro-step).
         state_dict_type: ``"sharded"`` (default): checkpoints are directories written by every rank through
@@ -81,6 +84,7 @@ class PaROStrategy(ParallelStrategy):
         group_size: Optional[int] = None,
         units: UnitPolicy = "auto",
         prefetch: int = 1,
+        chunk_bytes: Optional[int] = None,
         log_traffic: bool = True,
         auto: Optional[AutoConfig] = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
@@ -115,7 +119,11 @@ class PaROStrategy(ParallelStrategy):
             raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}.")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"Unknown start_method {start_method!r}: use 'popen', 'spawn', 'fork' or 'forkserver'.")
+        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                        or chunk_bytes < 1):
+            raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}.")
         self._group_size = group_size
+        self._chunk_bytes = chunk_bytes
         self.state_dict_type = state_dict_type
         self._restored_sharded = False
         self._units = units
@@ -264,7 +272,9 @@ class PaROStrategy(ParallelStrategy):
                 self._comm.close()
                 self._comm = None
         if self._comm is None:
-            self._comm = Communicator(self.topology, self.meter, device=self.root_device)
+            ho_ring = HOR_EXACT_SCOPES if self._chunk_bytes is None else replace(HOR_EXACT_SCOPES,
+                                                                                   chunk_bytes=self._chunk_bytes)
+            self._comm = Communicator(self.topology, self.meter, device=self.root_device, ho_ring_config=ho_ring)
         raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
         master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
         assert self.lightning_module is not None

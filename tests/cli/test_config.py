@@ -234,3 +234,8 @@ def test_now_in_run_dir_is_the_launch_time_shared_by_every_rank(monkeypatch, tmp
     from datetime import datetime
     assert first == second == str(tmp_path.resolve() / "runs" / datetime.fromtimestamp(1700000000.5).strftime(
         "%Y-%m-%d_%H-%M-%S"))
+
+
+def test_the_hierarchical_chunk_size_reaches_the_strategy():
+    cfg = load_config(["strategy=paro_iig", "strategy.chunk_bytes=1048576"])
+    assert build_strategy(cfg)._chunk_bytes == 1048576
