@@ -1,11 +1,14 @@
 """Training benchmark on the emulated cluster: PaRO strategies against Lightning's DDP, FSDP2 and HSDP.
 
-Every system trains the same GPT (about 10.7M parameters) for ``bench.warmup_steps + bench.steps`` optimizer steps
+Every system trains the same GPT (about 10.7M parameters; all of them, or in the PEFT-like settings only the last
+block) for ``bench.warmup_steps + bench.steps`` optimizer steps
 through the package's own ``bench`` command, each rank in its node's network namespace (``bench/cluster.py``), and
 reports tokens/s over the timed steps, the bytes each rank sent per optimizer step (PaRO's accounting) and the bytes
 that crossed each node's NIC (the NIC counters). Results go to ``bench/results/train/``.
 
-Usage (root): ``python bench/train/run.py [--settings 2x2-1g-a1,2x2-1g-a4] [--systems ddp,fsdp2,paro_iig,...]``
+Results are written after every system, and a rerun skips systems that already have one (``--redo`` reruns).
+
+Usage (root): ``python bench/train/run.py [--settings 2x2-100m-a4,...] [--systems ddp,fsdp2,paro_iig,...] [--redo]``
 """
 
 from __future__ import annotations
@@ -16,28 +19,60 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "train"
-SYSTEMS = ["ddp", "fsdp2", "hsdp", "paro_nng", "paro_nig", "paro_nii", "paro_iii", "paro_iig", "paro_igg", "paro_ggg",
-           "paro"]
-SETTINGS = {  # name: (nodes, ranks per node, Mbit/s, accumulation)
-    "2x2-1g-a1": (2, 2, 1000, 1),
-    "2x2-1g-a4": (2, 2, 1000, 4),
+PARO = ["paro_" + s.lower() for s in ("NNN", "NNI", "NNG", "NIG", "NGG", "INI", "ING", "IIG", "IGG", "GNG", "GIG",
+                                      "GGG", "NII", "III")]
+SYSTEMS = ["ddp", "fsdp2", "hsdp", *PARO, "paro"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One benchmark setting: the emulated cluster and how the model is trained."""
+
+    nodes: int
+    """Nodes (network namespaces)."""
+    per_node: int
+    """Ranks per node (the PaRO group size and the HSDP shard group)."""
+    mbit: int
+    """Rate of each node's NIC, each direction."""
+    accumulation: int
+    """accumulate_grad_batches."""
+    trainable_blocks: Optional[int] = None
+    """None: full training; k: only the last k of the 6 blocks train (PEFT-like)."""
+    timed_steps: int = 2
+    """Optimizer steps timed, after one warm-up step."""
+
+
+SETTINGS = {
+    "2x2-1g-a1": Setting(2, 2, 1000, 1, timed_steps=3),
+    "2x2-1g-a4": Setting(2, 2, 1000, 4, timed_steps=3),
+    "2x2-100m-a1": Setting(2, 2, 100, 1),
+    "2x2-100m-a4": Setting(2, 2, 100, 4),
+    "4x2-100m-a1": Setting(4, 2, 100, 1),
+    "4x2-100m-a4": Setting(4, 2, 100, 4),
+    "2x2-100m-a4-peft": Setting(2, 2, 100, 4, trainable_blocks=1),
+    "4x2-100m-a4-peft": Setting(4, 2, 100, 4, trainable_blocks=1),
 }
 MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64", "data.batch_size=1"]
+"""About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
 
 
-def run_one(system: str, nodes: int, per_node: int, mbit: int, acc: int, out: Path) -> dict:
+def run_one(system: str, s: Setting, out: Path) -> dict:
     strategy = [f"strategy={system}"] if system != "paro" else ["strategy=paro", "strategy.sharding=auto"]
     if system.startswith("paro"):
-        strategy.append(f"strategy.group_size={per_node}")
-    cmd = [sys.executable, str(ROOT / "bench" / "cluster.py"), "--nodes", str(nodes), "--ranks-per-node",
-           str(per_node), "--rate-mbit", str(mbit), "--nic", "node", "--timeout", "900", "--",
-           "-m", "lightning_paro", "bench", *strategy, "trainer.accelerator=cpu", f"trainer.devices={per_node}",
-           f"trainer.num_nodes={nodes}", f"trainer.accumulate_grad_batches={acc}", "trainer.enable_progress_bar=false",
-           "bench.warmup_steps=1", "bench.steps=3", f"run.dir={out}", *MODEL]
+        strategy.append(f"strategy.group_size={s.per_node}")
+    peft = [f"model.trainable_blocks={s.trainable_blocks}"] if s.trainable_blocks is not None else []
+    cmd = [sys.executable, str(ROOT / "bench" / "cluster.py"), "--nodes", str(s.nodes), "--ranks-per-node",
+           str(s.per_node), "--rate-mbit", str(s.mbit), "--nic", "node", "--timeout", "1200", "--",
+           "-m", "lightning_paro", "bench", *strategy, "trainer.accelerator=cpu", f"trainer.devices={s.per_node}",
+           f"trainer.num_nodes={s.nodes}", f"trainer.accumulate_grad_batches={s.accumulation}",
+           "trainer.enable_progress_bar=false", "bench.warmup_steps=1", f"bench.steps={s.timed_steps}",
+           f"run.dir={out}", *MODEL, *peft]
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - started
@@ -46,28 +81,33 @@ def run_one(system: str, nodes: int, per_node: int, mbit: int, acc: int, out: Pa
     result = json.loads((out / "bench.json").read_text())
     nic = {m.group(1): float(m.group(2)) for m in re.finditer(r"(node\d+/eth\d+): sent ([\d.]+) MiB",
                                                                  proc.stdout + proc.stderr)}
-    chosen = re.search(r"sharding='auto' chose (\w+)", proc.stdout + proc.stderr)
     return {"system": system, **result, "nic_sent_mib_whole_run": nic, "wall_s": round(wall, 1),
-            "auto_choice": chosen.group(1) if chosen else None}
+            "auto_choice": result.get("auto", {}).get("choice")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--redo", action="store_true", help="rerun the listed systems even where they have a result (others are kept)")
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    for setting in args.settings.split(","):
-        nodes, per_node, mbit, acc = SETTINGS[setting]
-        rows = []
+    for name in args.settings.split(","):
+        s = SETTINGS[name]
+        path = RESULTS / f"{name}.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        rows = {r["system"]: r for r in old.get("rows", []) if "error" not in r}
         for system in args.systems.split(","):
-            row = run_one(system, nodes, per_node, mbit, acc, Path("/tmp") / "paro-train-bench" / setting / system)
-            rows.append(row)
-            print(json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "inter_bytes_per_step", "error",
-                                                     "auto_choice")}), flush=True)
-        (RESULTS / f"{setting}.json").write_text(json.dumps({"setting": setting, "nodes": nodes,
-                                                             "ranks_per_node": per_node, "mbit": mbit,
-                                                             "accumulation": acc, "rows": rows}, indent=2))
+            if system in rows and not args.redo:
+                continue
+            row = run_one(system, s, Path("/tmp") / "paro-train-bench" / name / system)
+            rows[system] = row
+            print(name, json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "final_loss", "error",
+                                                           "auto_choice")}), flush=True)
+            ordered = [rows[k] for k in SYSTEMS if k in rows]
+            path.write_text(json.dumps({"setting": name, "nodes": s.nodes, "ranks_per_node": s.per_node,
+                                        "mbit": s.mbit, "accumulation": s.accumulation,
+                                        "trainable_blocks": s.trainable_blocks, "rows": ordered}, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -55,11 +56,22 @@ def _strategy_stats(strategy: Any) -> dict[str, Any]:
     history = getattr(strategy, "traffic_history", None)
     if not history:
         return {}
-    return {
+    out = {
         "intra_bytes_per_step": sum(t.intra for t in history) / len(history),
         "inter_bytes_per_step": sum(t.inter for t in history) / len(history),
         "memory_bytes_rank0": dict(strategy.memory_report()),
     }
+    plan = getattr(strategy, "auto_plan", None)
+    if plan is not None:  # sharding="auto": what it measured and predicted, for checking the cost model
+        c = plan.cluster
+        out["auto"] = {
+            "choice": plan.choice,
+            "intra_bytes_per_s": c.intra.bandwidth, "intra_latency_s": c.intra.latency,
+            "inter_bytes_per_s": c.inter.bandwidth, "inter_latency_s": c.inter.latency,
+            "reduce_scatter_factor": c.reduce_scatter_factor,
+            "predicted_step_s": {k.strategy: k.prediction.step_seconds for k in plan.candidates},
+        }
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- fit
@@ -201,20 +213,38 @@ def predict(cfg: Config) -> Optional[dict]:
 
 # ---------------------------------------------------------------------------------------------------- bench
 class StepTimer(L.Callback):
-    """Times optimizer steps after ``warmup`` of them; on global rank 0 writes bench.json and prints one line."""
+    """Times optimizer steps after ``warmup`` of them; at the end gathers every rank's loss, peak RSS and model-state
+    bytes, and on global rank 0 writes bench.json and prints one line."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.warmup = cfg.bench.warmup_steps
         self.marks: dict[int, float] = {}
+        self.batch_started = (0, 0.0)
+        self.accumulating: list[float] = []
+        """Durations of timed micro-batches that did not end an accumulation window: with DDP (no_sync) these do no
+        communication, so they measure one micro-step's compute under the same load."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.marks[0] = time.perf_counter()
 
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.batch_started = (trainer.global_step, time.perf_counter())
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.marks.setdefault(trainer.global_step, time.perf_counter())
+        now = time.perf_counter()
+        self.marks.setdefault(trainer.global_step, now)
+        step, started = self.batch_started
+        if trainer.global_step == step and step >= self.warmup:  # no optimizer step in this micro-batch
+            self.accumulating.append(now - started)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        per = self.cfg.trainer.accumulate_grad_batches
+        micro = list(getattr(pl_module, "step_losses", []))[-per:]
+        states = model_state_bytes(trainer.strategy, pl_module, trainer.optimizers)
+        local = torch.tensor([sum(micro) / max(len(micro), 1), peak_rss_bytes(), sum(states.values())],
+                             dtype=torch.float64)
+        ranks = gather_rows(local, trainer.world_size)  # collective: every rank takes part
         if not trainer.is_global_zero:
             return
         last = trainer.global_step
@@ -226,6 +256,15 @@ class StepTimer(L.Callback):
             "strategy": strategy_label(c), "world_size": trainer.world_size, "timed_steps": steps,
             "seconds": round(seconds, 4), "tokens_per_step": tokens_per_step,
             "tokens_per_s": round(tokens_per_step * steps / seconds, 1) if seconds > 0 else None,
+            "step_seconds": round(seconds / steps, 4) if steps > 0 else None,
+            "accumulating_micro_step_s": (round(statistics.median(self.accumulating), 5) if self.accumulating
+                                          else None),
+            "final_loss": float(ranks[:, 0].mean()),
+            "peak_rss_bytes_max_rank": int(ranks[:, 1].max()),
+            "model_state_bytes_max_rank": int(ranks[:, 2].max()),
+            "model_state_bytes_rank0": states,
+            "parameters": sum(p.numel() for p in pl_module.parameters()),
+            "trainable_parameters": sum(p.numel() for p in pl_module.parameters() if p.requires_grad),
             **_strategy_stats(trainer.strategy),
         }
         Path(c.run.dir).mkdir(parents=True, exist_ok=True)
@@ -233,7 +272,60 @@ class StepTimer(L.Callback):
         traffic = (f", {result['intra_bytes_per_step'] / 1e6:.2f} MB intra + {result['inter_bytes_per_step'] / 1e6:.2f}"
                    " MB inter per step per rank" if "intra_bytes_per_step" in result else "")
         print(f"bench {result['strategy']} on {_processes(trainer.world_size)}: {result['tokens_per_s']} tokens/s over"
-              f" {steps} optimizer steps ({tokens_per_step} tokens each){traffic}", flush=True)
+              f" {steps} optimizer steps ({tokens_per_step} tokens each){traffic}; final loss"
+              f" {result['final_loss']:.5f}, model states {result['model_state_bytes_max_rank'] / 2**20:.1f} MiB and"
+              f" peak RSS {result['peak_rss_bytes_max_rank'] / 2**20:.0f} MiB on the largest rank", flush=True)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gather_rows(row: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``row`` of every rank stacked in rank order (a plain all-gather on the default group; works for any strategy
+    that initialised torch.distributed, and for a single process)."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not dist.is_initialized():
+        return row[None]
+    out = [torch.empty_like(row) for _ in range(world_size)]
+    dist.all_gather(out, row)
+    return torch.stack(out)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2) -> this rank's shard
+
+
+def model_state_bytes(strategy: Any, module: torch.nn.Module, optimizers: list) -> dict[str, int]:
+    """This rank's persistent bytes of parameters, gradients and optimizer states.
+
+    PaRO reports its own buffers (exact, padding included). For other strategies the tensors are counted where they
+    live: each parameter's local shard (FSDP2's DTensors), the gradients present now, the optimizer's state tensors.
+    Buffers a framework keeps on the side (DDP's gradient buckets, FSDP2's gathered-parameter buffers) are not model
+    states and are not counted; peak RSS shows them.
+    """
+    if hasattr(strategy, "memory_report"):
+        report = strategy.memory_report()
+        return {k: report[k] for k in ("params", "grads", "optim")}
+    seen: set[int] = set()
+
+    def size(t: Optional[torch.Tensor]) -> int:
+        if t is None or id(t) in seen:
+            return 0
+        seen.add(id(t))
+        local = _local(t)
+        return local.numel() * local.element_size()
+
+    params = list(module.parameters())
+    out = {"params": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params), "optim": 0}
+    for opt in optimizers:
+        for state in opt.state.values():
+            out["optim"] += sum(size(v) for v in state.values() if torch.is_tensor(v))
+    return out
 
 
 def bench(cfg: Config) -> None:

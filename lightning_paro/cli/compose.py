@@ -186,6 +186,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("model.vocab", f"{m.vocab} is too small for byte-level text; use 256")
     if m.lr <= 0:
         raise ConfigError("model.lr", f"{m.lr} must be positive")
+    if m.trainable_blocks is not None and not 0 <= m.trainable_blocks <= m.layers:
+        raise ConfigError("model.trainable_blocks",
+                          f"{m.trainable_blocks} must be between 0 and model.layers={m.layers}, or null to train all")
     d = cfg.data
     for key in ("train_bytes", "held_out_bytes", "batch_size", "val_batch_size"):
         _positive(f"data.{key}", getattr(d, key))

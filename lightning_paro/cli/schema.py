@@ -134,6 +134,8 @@ class GPTModelConfig(GPTConfig):
 
     name: str = "gpt"
     """The model family (only gpt in this version)."""
+    trainable_blocks: Optional[int] = None
+    """Train only the last this-many blocks and the final norm, the rest frozen (a PEFT-like run); null: all."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,17 @@ def gpt_config(model: GPTModelConfig) -> GPTConfig:
     return GPTConfig(**{f.name: getattr(model, f.name) for f in dataclasses.fields(GPTConfig)})
 
 
+def freeze_all_but_last_blocks(model: GPT, trainable_blocks: int) -> None:
+    """Freeze every parameter except those of the last ``trainable_blocks`` blocks and the final norm."""
+    if not 0 <= trainable_blocks <= len(model.blocks):
+        raise ValueError(f"model.trainable_blocks={trainable_blocks} must be between 0 and the {len(model.blocks)}"
+                         " blocks of the model")
+    model.requires_grad_(False)
+    for block in list(model.blocks)[len(model.blocks) - trainable_blocks:]:
+        block.requires_grad_(True)
+    model.ln_f.requires_grad_(True)
+
+
 class GPTTask(GPT):
     """The demo GPT as the commands use it: scores whole files in ``predict_step``, shards itself under FSDP2, and
     records its shape in checkpoints."""
@@ -32,6 +43,8 @@ class GPTTask(GPT):
     def __init__(self, model: GPTModelConfig) -> None:
         super().__init__(gpt_config(model))
         self.model_config = model
+        if model.trainable_blocks is not None:
+            freeze_all_but_last_blocks(self, model.trainable_blocks)
 
     def predict_step(self, batch: dict, batch_idx: int = 0) -> dict[str, torch.Tensor]:
         """Bits per byte of each file's leading bytes (windows of seq_len, each predicted from its own start)."""

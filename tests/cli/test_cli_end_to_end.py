@@ -85,12 +85,18 @@ def test_multirun_sweep_runs_each_job_once_with_its_own_ranks(tmp_path):
 @pytest.mark.timeout(200)
 def test_bench_with_the_spawn_start_method(tmp_path):
     bench = run_cli(["bench", *TINY, "strategy=paro_ggg", "strategy.start_method=spawn", "bench.warmup_steps=1",
-                     "bench.steps=2", "run.name=b"], tmp_path, timeout=180)
+                     "bench.steps=2", "model.trainable_blocks=1", "run.name=b"], tmp_path, timeout=180)
     assert bench.returncode == 0, bench.describe()
     result = json.loads((tmp_path / "runs" / "b" / "bench.json").read_text())
     assert result["strategy"] == "paro GGG" and result["world_size"] == 2 and result["timed_steps"] == 2
     assert result["tokens_per_step"] == 4 * 32 * 2 * 2  # batch x seq_len x accumulation x ranks
     assert result["tokens_per_s"] > 0 and result["inter_bytes_per_step"] == 0
+    # PEFT-like: one of the two blocks (and the final norm) trains; the engine's gradients cover only those
+    assert 0 < result["trainable_parameters"] < result["parameters"] / 2
+    states = result["model_state_bytes_rank0"]
+    assert states["grads"] < states["params"] / 2 and result["model_state_bytes_max_rank"] >= sum(states.values())
+    assert math.isfinite(result["final_loss"]) and result["peak_rss_bytes_max_rank"] > 50 * 2**20
+    assert result["accumulating_micro_step_s"] > 0  # accumulation 2: one micro-batch per step does no step
     assert "tokens/s" in bench.stdout
 
 

@@ -107,6 +107,7 @@ BAD = [
     (["trainer.max_steps=abc"], "trainer.max_steps", "abc"),
     (["trainer.precision=16-mixed"], "trainer.precision", "bf16-mixed"),
     (["model.dim=30", "model.heads=4"], "model.dim", "heads"),
+    (["model.trainable_blocks=5", "model.layers=4"], "model.trainable_blocks", "model.layers=4"),
     (["predict.format=csv"], "predict.format", "parquet"),
     (["strategy=hsdp", "strategy.group_size=3", "trainer.devices=4"], "strategy.group_size", "divide"),
     (["hydra.run.dir=outputs/x"], "hydra.run.dir", "run.dir"),
@@ -239,3 +240,14 @@ def test_now_in_run_dir_is_the_launch_time_shared_by_every_rank(monkeypatch, tmp
 def test_the_hierarchical_chunk_size_reaches_the_strategy():
     cfg = load_config(["strategy=paro_iig", "strategy.chunk_bytes=1048576"])
     assert build_strategy(cfg)._chunk_bytes == 1048576
+
+
+def test_trainable_blocks_freezes_all_but_the_last_blocks_and_the_final_norm():
+    from lightning_paro.cli.task import GPTTask
+
+    model = GPTTask(load_config(["model=gpt_tiny", "model.layers=3", "model.trainable_blocks=1"]).model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("blocks.2.", "ln_f.")) for n in trainable)
+    assert {n for n, _ in model.named_parameters() if n.startswith("blocks.2.") or n.startswith("ln_f.")} == trainable
+    everything = GPTTask(load_config(["model=gpt_tiny"]).model)
+    assert all(p.requires_grad for p in everything.parameters())
