@@ -381,12 +381,13 @@ class AutoConfig:
 
 
 def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: int, ranks_on_host: int,
-                 units="auto", prefetch: int = 1, config: AutoConfig = AutoConfig()) -> Plan:
+                 units="auto", prefetch: int = 1, config: AutoConfig = AutoConfig(),
+                 chunk_bytes: int | None = None) -> Plan:
     """Plan for a running job (collective: call on every rank after the process groups exist).
 
     Measures what ``config`` leaves open (links: :func:`probe_links`; memory: :func:`device_memory_bytes`, the
     smallest over ranks), describes the model with :func:`workload_from_module` and returns :func:`plan`'s result,
-    the same on every rank.
+    the same on every rank. ``chunk_bytes`` is the strategy's HO-Ring chunk (None: the default).
     """
     import torch
 
@@ -404,7 +405,8 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
         memory = agreed_minimum(device_memory_bytes(device, ranks_on_host), topology.groups.world, reduce_on)
     workload = workload_from_module(module, optimizers, units, accumulation, config.tokens_per_micro_batch,
                                     config.activation_bytes_per_token)
-    cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor)
+    cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor,
+                      **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
     compute = Compute(config.micro_step_seconds, config.flops_per_second if config.tokens_per_micro_batch else None,
                       config.memory_bandwidth)
     result = plan(workload, cluster, compute, config.memory_budget, prefetch)

@@ -9,9 +9,16 @@ reduce-scatter of a buffer of ``S`` bytes over ``k`` ranks takes ``k - 1`` steps
     t = (k - 1) * (alpha + S / (k * beta))          (an all-reduce: twice that)
 
 where ``alpha`` is the link's latency per step and ``beta`` the bandwidth one rank gets while every rank of the job
-communicates at once (the figure the start-up probe measures). A reduce-scatter is multiplied by the cluster's
-``reduce_scatter_factor`` (1 for ring algorithms, about 2 for gloo). A global collective runs its inter and intra phases
-one after the other (the engine's :class:`~lightning_paro.comm.collectives.Communicator`), so its time is the sum.
+communicates at once (the figure the start-up probe measures). A reduce-scatter inside one link class (the backend's
+own collective) is multiplied by the cluster's ``reduce_scatter_factor`` (1 for ring algorithms, about 2 for gloo).
+
+A global collective is an HO-Ring (``comm/ho_ring.py``): its intra and inter phases send the ideal volume point to
+point to all peers at once (one latency per chunk, no reduce-scatter factor) and overlap chunk by chunk. With phase
+times ``t_i`` and ``k`` chunks of ``chunk_bytes`` of the full buffer, it is a pipeline::
+
+    t = max_i t_i + (sum_i t_i - max_i t_i) / k
+
+so a large buffer costs about its slowest phase, and a buffer of one chunk the sum of its phases.
 
 **Timeline of one micro-step** (the engine issues all collectives of a rank on one first-in-first-out communication
 thread; compute runs on the caller's thread). The model has ``L`` units of equal size and a root unit holding the
@@ -46,6 +53,7 @@ while they are reduce-scattered when G != N) and the activations of one micro-ba
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -103,10 +111,15 @@ class Cluster:
     reduce_scatter_factor: float = 1.0
     """Time of a reduce-scatter over the time of an all-gather of the same buffer: 1 for ring algorithms (NCCL);
     about 2 for gloo, whose reduce-scatter moves twice the ideal volume. The start-up probe measures it."""
+    chunk_bytes: float = 2 * 2**20
+    """HO-Ring pipeline chunk (the strategy's ``chunk_bytes``); ``math.inf`` runs a global collective's phases one
+    after the other."""
 
     def __post_init__(self) -> None:
         if not self.reduce_scatter_factor > 0:
             raise ValueError(f"reduce_scatter_factor must be > 0, got {self.reduce_scatter_factor!r}.")
+        if not self.chunk_bytes > 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {self.chunk_bytes!r}.")
         if self.world_size < 1 or self.group_size < 1 or self.world_size % self.group_size:
             raise ValueError(
                 f"group_size={self.group_size} must divide world_size={self.world_size} (n = groups x ranks per group)."
@@ -202,6 +215,8 @@ class Phase:
     """k: ranks in the ring."""
     nbytes: float
     """Bytes of the full buffer (all-gather output, reduce-scatter input, all-reduce buffer)."""
+    hierarchical: bool = False
+    """A phase of a global (HO-Ring) collective: the ideal volume point to point, overlapped with its other phases."""
 
     @property
     def steps(self) -> int:
@@ -213,15 +228,25 @@ class Phase:
         """Bytes one rank sends: (k - 1) / k of the buffer, twice that for an all-reduce."""
         return self.steps * self.nbytes / self.ranks
 
-    def seconds(self, cluster: Cluster) -> float:
-        """Alpha-beta time: steps * alpha + sent bytes / beta (a reduce-scatter times the cluster's factor)."""
+    def seconds(self, cluster: Cluster, chunks: int = 1) -> float:
+        """Alpha-beta time: latency per step + sent bytes / beta, the backend's reduce-scatter times the cluster's
+        factor. An HO-Ring phase sends to all its peers at once (one step per chunk, two for an all-reduce)."""
         link = cluster.intra if self.scope == "intra" else cluster.inter
-        t = self.steps * link.latency + self.sent_bytes / link.bandwidth
-        return t * cluster.reduce_scatter_factor if self.op == "reduce_scatter" else t
+        steps = chunks * (2 if self.op == "all_reduce" else 1) if self.hierarchical else self.steps
+        t = steps * link.latency + self.sent_bytes / link.bandwidth
+        slow = self.op == "reduce_scatter" and not self.hierarchical
+        return t * cluster.reduce_scatter_factor if slow else t
 
 
 def _phases(*candidates: Phase) -> tuple[Phase, ...]:
     return tuple(p for p in candidates if p.ranks > 1 and p.nbytes > 0)
+
+
+def _global(*candidates: Phase) -> tuple[Phase, ...]:
+    """The phases of one global collective: an HO-Ring when it has phases on both link classes (m > 1 and g > 1),
+    else the backend's own collective over the one link class there is."""
+    phases = _phases(*candidates)
+    return tuple(dataclasses.replace(p, hierarchical=True) for p in phases) if len(phases) > 1 else phases
 
 
 def gather_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
@@ -231,7 +256,7 @@ def gather_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase,
         return ()
     if level == Level.I:
         return _phases(Phase("all_gather", "intra", m, nbytes))
-    return _phases(Phase("all_gather", "inter", g, nbytes / m), Phase("all_gather", "intra", m, nbytes))
+    return _global(Phase("all_gather", "inter", g, nbytes / m), Phase("all_gather", "intra", m, nbytes))
 
 
 def reduce_scatter_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
@@ -241,15 +266,15 @@ def reduce_scatter_phases(level: Level, nbytes: float, cluster: Cluster) -> tupl
         return ()
     if level == Level.I:
         return _phases(Phase("reduce_scatter", "intra", m, nbytes))
-    return _phases(Phase("reduce_scatter", "intra", m, nbytes), Phase("reduce_scatter", "inter", g, nbytes / m))
+    return _global(Phase("reduce_scatter", "intra", m, nbytes), Phase("reduce_scatter", "inter", g, nbytes / m))
 
 
 def grad_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
     """Once per step: bring ``nbytes`` of accumulated gradient from level G to level OS (design, section 4)."""
     m, g = cluster.group_size, cluster.num_groups
     G, OS = spec.grads, spec.optim
-    if G == Level.N and OS == Level.N:
-        return _phases(Phase("reduce_scatter", "intra", m, nbytes), Phase("all_reduce", "inter", g, nbytes / m),
+    if G == Level.N and OS == Level.N:  # a global all-reduce
+        return _global(Phase("reduce_scatter", "intra", m, nbytes), Phase("all_reduce", "inter", g, nbytes / m),
                        Phase("all_gather", "intra", m, nbytes))
     if G == Level.N and OS == Level.I:
         return _phases(Phase("reduce_scatter", "intra", m, nbytes), Phase("all_reduce", "inter", g, nbytes / m))
@@ -273,8 +298,15 @@ def param_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tu
 
 
 def seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
-    """Time of phases run one after another."""
-    return sum(p.seconds(cluster) for p in phases)
+    """Time of one collective's phases: one after another, or pipelined chunk by chunk when they are an HO-Ring's
+    (module docstring)."""
+    ho = [p for p in phases if p.hierarchical]
+    t = sum(p.seconds(cluster) for p in phases if not p.hierarchical)
+    if ho:
+        chunks = max(1, math.ceil(max(p.nbytes for p in ho) / cluster.chunk_bytes))
+        times = [p.seconds(cluster, chunks) for p in ho]
+        t += max(times) + (sum(times) - max(times)) / chunks
+    return t
 
 
 # ------------------------------------------------------------------------------------------------------ predictions

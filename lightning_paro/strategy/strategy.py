@@ -257,7 +257,7 @@ class PaROStrategy(ParallelStrategy):
         result = plan_for_job(self.lightning_module, raw, self.topology, self.root_device,
                               accumulation=trainer.accumulate_grad_batches if fitting else 1,
                               ranks_on_host=self.num_processes, units=self._units, prefetch=self._prefetch,
-                              config=self._auto_config)
+                              config=self._auto_config, chunk_bytes=self._chunk_bytes)
         if result.choice is None:
             raise RuntimeError(f"sharding='auto' found no strategy that fits: {result.reason}")
         self.sharding = ShardingSpec.parse(self.broadcast(result.choice))
