@@ -13,8 +13,9 @@ communicates at once (the figure the start-up probe measures). A reduce-scatter 
 own collective) is multiplied by the cluster's ``reduce_scatter_factor`` (1 for ring algorithms, about 2 for gloo).
 
 A global collective is an HO-Ring (``comm/ho_ring.py``): its intra and inter phases send the ideal volume point to
-point to all peers at once (one latency per chunk, no reduce-scatter factor) and overlap chunk by chunk. With phase
-times ``t_i`` and ``k`` chunks of ``chunk_bytes`` of the full buffer, it is a pipeline::
+point to all peers at once with two chunks posted (latency hidden behind the previous chunk, no reduce-scatter factor)
+and overlap chunk by chunk. With phase times ``t_i`` and ``k`` chunks of ``chunk_bytes`` of the full buffer, it is a
+pipeline::
 
     t = max_i t_i + (sum_i t_i - max_i t_i) / k
 
@@ -63,6 +64,9 @@ from lightning_paro.strategy.volumes import Traffic, model_state_bytes, step_tra
 
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""
+
+HO_RING_CHUNKS_IN_FLIGHT = 2
+"""Chunks an HO-Ring phase keeps posted (``comm.ho_ring.CHUNKS_IN_FLIGHT``; a test keeps the two equal)."""
 
 Scope = Literal["intra", "inter"]
 Op = Literal["all_gather", "reduce_scatter", "all_reduce"]
@@ -230,10 +234,14 @@ class Phase:
 
     def seconds(self, cluster: Cluster, chunks: int = 1) -> float:
         """Alpha-beta time: latency per step + sent bytes / beta, the backend's reduce-scatter times the cluster's
-        factor. An HO-Ring phase sends to all its peers at once (one step per chunk, two for an all-reduce)."""
+        factor. An HO-Ring phase sends to all its peers at once (one step per chunk, two for an all-reduce) and keeps
+        ``HO_RING_CHUNKS_IN_FLIGHT`` chunks posted, so latency is paid once unless chunks are too small to cover it."""
         link = cluster.intra if self.scope == "intra" else cluster.inter
-        steps = chunks * (2 if self.op == "all_reduce" else 1) if self.hierarchical else self.steps
-        t = steps * link.latency + self.sent_bytes / link.bandwidth
+        transfer = self.sent_bytes / link.bandwidth
+        if self.hierarchical:
+            per_chunk = 2 if self.op == "all_reduce" else 1
+            return per_chunk * link.latency + max(transfer, chunks * per_chunk * link.latency / HO_RING_CHUNKS_IN_FLIGHT)
+        t = self.steps * link.latency + transfer
         slow = self.op == "reduce_scatter" and not self.hierarchical
         return t * cluster.reduce_scatter_factor if slow else t
 
