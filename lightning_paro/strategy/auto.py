@@ -22,9 +22,11 @@ from lightning_paro.strategy.cost_model import (
     Link,
     Prediction,
     Workload,
+    gather_phases,
     predict_all,
+    seconds,
 )
-from lightning_paro.strategy.levels import KNOWN_AS, VALID_STRATEGIES
+from lightning_paro.strategy.levels import KNOWN_AS, VALID_STRATEGIES, Level
 
 DEFAULT_MEMORY_BUDGET = 0.7
 """Share of a rank's memory the model states, in-flight buffers and declared activations may use. The rest is
@@ -176,6 +178,9 @@ class MeasuredLinks:
     """Inter-group links (``UNUSED_LINK`` when g = 1)."""
     reduce_scatter_factor: float = 1.0
     """A large reduce-scatter's time over the same all-gather's (slowest scope); 1 when nothing was measured."""
+    hierarchical_factor: float = 1.0
+    """A global (HO-Ring) all-gather's time over what the two links predict for it; 1 when not measured (m = 1 or
+    g = 1)."""
 
 
 def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: float, large_seconds: float) -> Link:
@@ -195,23 +200,29 @@ def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: 
 
 
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
-                repeats: int = 3) -> MeasuredLinks:
+                repeats: int = 3, chunk_bytes: int | None = None) -> MeasuredLinks:
     """Measure intra- and inter-group links with a few all-gathers (collective: call on every rank).
 
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
     every rank communicates. Each size is gathered once to warm up, then ``repeats`` times; a rank's time is the
-    mean, and the slowest rank's time counts. The probe's traffic goes to a meter of its own.
+    mean, and the slowest rank's time counts. With several groups of several ranks, one more all-gather of
+    ``large_bytes`` over the whole world runs as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks), and
+    its time over the links' prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its
+    own.
     """
     import torch
     import torch.distributed as dist
 
     from lightning_paro.comm.accounting import TrafficMeter
-    from lightning_paro.comm.collectives import Communicator
+    from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
 
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = topology.groups.world
     scopes = [("intra", topology.group_size), ("inter", topology.num_groups)]
-    comm = Communicator(topology, TrafficMeter())
+    hierarchical = topology.group_size > 1 and topology.num_groups > 1
+    ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
+                                                                              chunk_bytes=chunk_bytes)
+    comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
 
     def timed(run) -> float:
         run()  # warm-up: connections, allocations
@@ -238,6 +249,12 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
                 times.append(0.0)
             else:
                 times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
+        if hierarchical:
+            n = topology.world_size
+            elems = max(1, large_bytes // (4 * n)) * n
+            out = torch.empty(elems, dtype=torch.float32, device=device)
+            shard = torch.ones(elems // n, dtype=torch.float32, device=device)
+            times.append(timed(lambda: comm.all_gather(out, shard, "global")))
     finally:
         comm.close()
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
@@ -252,7 +269,17 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         small, large, reduce = t[3 * i:3 * i + 3]
         links.append(fit_link(k, 4 * elems_small, small, 4 * elems_large, large))
         factors.append(reduce / large if large > 0 else 1.0)
-    return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0))
+    factor = 1.0
+    if hierarchical:
+        n = topology.world_size
+        nbytes = 4 * max(1, large_bytes // (4 * n)) * n
+        cluster = Cluster(n, topology.group_size, links[0], links[1], 1.0,
+                          chunk_bytes=ho_ring.chunk_bytes)
+        predicted = seconds(gather_phases(Level.G, nbytes, cluster), cluster)
+        if predicted > 0 and t[6] > 0:
+            factor = min(4.0, max(0.25, t[6] / predicted))  # clamped: a noisy probe must not dominate the plan
+    return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0),
+                         hierarchical_factor=factor)
 
 
 def _synchronize(device) -> None:
@@ -378,6 +405,8 @@ class AutoConfig:
     """Buffer size of the bandwidth probe's large all-gathers."""
     reduce_scatter_factor: float | None = None
     """Reduce-scatter time over all-gather time; None: measured by the probe when it runs, else 1."""
+    hierarchical_factor: float | None = None
+    """HO-Ring phase time over the backend's collective on the same link; None: measured by the probe, else 1."""
 
 
 def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: int, ranks_on_host: int,
@@ -395,10 +424,11 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
     optimizers = list(optimizers)
     links = None
     if config.intra is None or config.inter is None:
-        links = probe_links(topology, device, large_bytes=config.probe_bytes)
+        links = probe_links(topology, device, large_bytes=config.probe_bytes, chunk_bytes=chunk_bytes)
     intra = config.intra or links.intra
     inter = config.inter or links.inter
     factor = config.reduce_scatter_factor or (links.reduce_scatter_factor if links else 1.0)
+    ho_factor = config.hierarchical_factor or (links.hierarchical_factor if links else 1.0)
     memory = config.device_memory
     if memory is None:
         reduce_on = device if device.type == "cuda" else None
@@ -406,7 +436,7 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
     workload = workload_from_module(module, optimizers, units, accumulation, config.tokens_per_micro_batch,
                                     config.activation_bytes_per_token)
     cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor,
-                      **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+                      hierarchical_factor=ho_factor, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
     compute = Compute(config.micro_step_seconds, config.flops_per_second if config.tokens_per_micro_batch else None,
                       config.memory_bandwidth)
     result = plan(workload, cluster, compute, config.memory_budget, prefetch)
@@ -427,7 +457,7 @@ def describe_links(intra: Link, inter: Link) -> str:
 
 
 def describe_cluster(cluster: Cluster) -> str:
-    """One line for the log: ranks, links and the reduce-scatter factor."""
+    """One line for the log: ranks, links, the reduce-scatter factor and the HO-Ring factor."""
     return (f"n={cluster.world_size} ranks in groups of m={cluster.group_size}; "
             f"{describe_links(cluster.intra, cluster.inter)}; reduce-scatter {cluster.reduce_scatter_factor:.2f}x"
-            " an all-gather")
+            f" an all-gather; HO-Ring phases {cluster.hierarchical_factor:.2f}x the backend's time")

@@ -19,7 +19,9 @@ pipeline::
 
     t = max_i t_i + (sum_i t_i - max_i t_i) / k
 
-so a large buffer costs about its slowest phase, and a buffer of one chunk the sum of its phases.
+so a large buffer costs about its slowest phase, and a buffer of one chunk the sum of its phases. A phase's transfer
+time is multiplied by the cluster's ``hierarchical_factor`` (1 for NCCL-like backends; the probe measures it, as
+HO-Ring's point-to-point sends can use a link better than the backend's collective does).
 
 **Timeline of one micro-step** (the engine issues all collectives of a rank on one first-in-first-out communication
 thread; compute runs on the caller's thread). The model has ``L`` units of equal size and a root unit holding the
@@ -118,12 +120,18 @@ class Cluster:
     chunk_bytes: float = 2 * 2**20
     """HO-Ring pipeline chunk (the strategy's ``chunk_bytes``); ``math.inf`` runs a global collective's phases one
     after the other."""
+    hierarchical_factor: float = 1.0
+    """Time of an HO-Ring phase over the backend's collective moving the same bytes on the same link: 1 where both
+    use the link alike (NCCL); below 1 where HO-Ring's point-to-point sends, one group per direction and two chunks
+    in flight, use it better (gloo over TCP). The start-up probe measures it."""
 
     def __post_init__(self) -> None:
         if not self.reduce_scatter_factor > 0:
             raise ValueError(f"reduce_scatter_factor must be > 0, got {self.reduce_scatter_factor!r}.")
         if not self.chunk_bytes > 0:
             raise ValueError(f"chunk_bytes must be > 0, got {self.chunk_bytes!r}.")
+        if not self.hierarchical_factor > 0:
+            raise ValueError(f"hierarchical_factor must be > 0, got {self.hierarchical_factor!r}.")
         if self.world_size < 1 or self.group_size < 1 or self.world_size % self.group_size:
             raise ValueError(
                 f"group_size={self.group_size} must divide world_size={self.world_size} (n = groups x ranks per group)."
@@ -240,6 +248,7 @@ class Phase:
         transfer = self.sent_bytes / link.bandwidth
         if self.hierarchical:
             per_chunk = 2 if self.op == "all_reduce" else 1
+            transfer *= cluster.hierarchical_factor
             return per_chunk * link.latency + max(transfer, chunks * per_chunk * link.latency / HO_RING_CHUNKS_IN_FLIGHT)
         t = self.steps * link.latency + transfer
         slow = self.op == "reduce_scatter" and not self.hierarchical

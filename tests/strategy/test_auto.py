@@ -175,11 +175,15 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
         assert r["choice"] == first["choice"] and r["candidates"] == first["candidates"]
         assert r["measured_choice"] == first["measured_choice"]
         assert r["measured_factor"] == first["measured_factor"]
+        assert r["measured_ho_factor"] == first["measured_ho_factor"]
     for scope in ("intra", "inter"):
         link = first["links"][scope]
         assert 0 < link["bandwidth"] < math.inf and link["latency"] >= 0
     assert first["choice"] in VALID_STRATEGIES and first["measured_choice"] in VALID_STRATEGIES
     assert 0 < first["measured_factor"] < math.inf
+    # 2 groups of 2: the probe timed a global (HO-Ring) all-gather against the links' prediction (clamped to 1/4..4)
+    factor = first["links"]["hierarchical_factor"]
+    assert factor != 1.0 and 0.25 <= factor <= 4.0 and 0.25 <= first["measured_ho_factor"] <= 4.0
     assert 0 < first["memory"] and first["budget"] == pytest.approx(0.7 * first["memory"])
     w = first["workload"]
     assert w["num_units"] == 3 and w["num_trainable"] < w["num_params"] and w["accumulation"] == 4

@@ -236,3 +236,14 @@ def test_global_collectives_pipeline_their_phases_chunk_by_chunk():
     one_group = Cluster(2, 2, c.intra, c.inter, 1e9, reduce_scatter_factor=2.0, chunk_bytes=1e6)
     (only,) = reduce_scatter_phases(Level.G, 8e6, one_group)
     assert not only.hierarchical and seconds((only,), one_group) == pytest.approx(2 * (1e-5 + 0.004))
+
+
+def test_hierarchical_factor_scales_ho_ring_transfers_only():
+    base = dict(world_size=4, group_size=2, intra=Link(1e9, 1e-5), inter=Link(1e8, 1e-4), device_memory=1e9,
+                chunk_bytes=1e6)
+    c, fast = Cluster(**base), Cluster(**base, hierarchical_factor=0.5)
+    assert seconds(gather_phases(Level.G, 8e6, fast), fast) == pytest.approx(1e-4 + 0.01 + (1e-5 + 0.002) / 8)
+    # the backend's own collectives (level I) are untouched
+    assert seconds(gather_phases(Level.I, 8e6, fast), fast) == seconds(gather_phases(Level.I, 8e6, c), c)
+    with pytest.raises(ValueError, match="hierarchical_factor"):
+        Cluster(**base, hierarchical_factor=0)

@@ -43,6 +43,7 @@ def main() -> None:
     (out / f"{topo.rank}.json").write_text(json.dumps({
         "links": dataclasses.asdict(links), "probe_seconds": probe_seconds,
         "measured_factor": measured.cluster.reduce_scatter_factor,
+        "measured_ho_factor": measured.cluster.hierarchical_factor,
         "choice": result.choice, "budget": result.budget_bytes, "memory": result.cluster.device_memory,
         "workload": dataclasses.asdict(result.workload),
         "candidates": [c.strategy for c in result.candidates],
