@@ -3,8 +3,8 @@ every setting, and whether the predicted ranking matches the measured one.
 
 The model's inputs are measured in the same benchmark, never fitted to its step times:
 
-* links (alpha, beta per link class) and gloo's reduce-scatter factor: the start-up probe of the ``sharding="auto"``
-  run of that setting;
+* links (alpha, beta per link class), gloo's reduce-scatter factor and the HO-Ring factor: the start-up probe of the
+  ``sharding="auto"`` run of that setting;
 * compute per micro-step: the median micro-batch of the ``ddp`` run that ends no optimizer step (DDP's ``no_sync``:
   no communication) at the same number of processes and trainable parameters; settings at
   accumulate_grad_batches=1 have none and take the A=4 setting's figure;
@@ -116,7 +116,8 @@ def check(name: str, data: dict, settings: dict[str, dict], bandwidth: float) ->
         raise LookupError(f"{name}: no sharding=auto run, so no probed links")
     link = lambda kind: Link(auto[f"{kind}_bytes_per_s"], auto[f"{kind}_latency_s"])  # noqa: E731
     cluster = Cluster(data["nodes"] * data["ranks_per_node"], data["ranks_per_node"], link("intra"), link("inter"),
-                      device_memory=1e12, reduce_scatter_factor=auto["reduce_scatter_factor"])
+                      device_memory=1e12, reduce_scatter_factor=auto["reduce_scatter_factor"],
+                      hierarchical_factor=auto.get("hierarchical_factor", 1.0))
     compute, compute_from = compute_seconds(name, data, settings)
     _, _, w = workload(data)
     measured, predicted = {}, {}
@@ -134,7 +135,7 @@ def check(name: str, data: dict, settings: dict[str, dict], bandwidth: float) ->
     return {
         "setting": name, "compute_s": compute, "compute_from": compute_from,
         "intra_gbit": cluster.intra.bandwidth * 8 / 1e9, "inter_gbit": cluster.inter.bandwidth * 8 / 1e9,
-        "reduce_scatter_factor": cluster.reduce_scatter_factor,
+        "reduce_scatter_factor": cluster.reduce_scatter_factor, "hierarchical_factor": cluster.hierarchical_factor,
         "measured_s": measured, "predicted_s": predicted, "error": errors,
         "within_tolerance": sum(abs(e) <= TOLERANCE for e in errors.values()), "strategies": len(errors),
         "max_abs_error": max(abs(e) for e in errors.values()),
@@ -150,12 +151,14 @@ def markdown(results: list[dict], bandwidth: float) -> str:
            f"Inputs measured, not fitted: links from each setting's start-up probe, compute per micro-step from its"
            f" ddp run's communication-free micro-batches, the update at {bandwidth / 1e9:.2f} GB/s (AdamW step timed"
            f" here). Tolerance {TOLERANCE:.0%}.", "",
-           "| setting | compute s/micro | intra Gbit/s | inter Gbit/s | within 25% | max error | Spearman |"
+           "| setting | compute s/micro | intra Gbit/s | inter Gbit/s | RS factor | HO-Ring factor | within 25% |"
+           " max error | Spearman |"
            " pairs ordered right (>10% apart) | best measured | best predicted (its measured s / best s) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = r["predicted_best_measured_s"] / r["measured_s"][r["best_measured"]]
         out.append(f"| {r['setting']} | {r['compute_s']:.3f} | {r['intra_gbit']:.2f} | {r['inter_gbit']:.3f}"
+                   f" | {r['reduce_scatter_factor']:.2f} | {r['hierarchical_factor']:.2f}"
                    f" | {r['within_tolerance']}/{r['strategies']} | {r['max_abs_error']:.0%} | {r['spearman']:.2f}"
                    f" | {r['pairs_agree']}/{r['pairs']} | {r['best_measured']} | {r['best_predicted']} ({ratio:.2f}) |")
     for r in results:

@@ -11,6 +11,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_paro import VALID_STRATEGIES, PaROStrategy
+from lightning_paro.strategy.auto import AutoConfig
+from lightning_paro.strategy.cost_model import Link
 from lightning_paro.cli.compose import world_size
 from lightning_paro.cli.schema import (
     Config,
@@ -63,7 +65,10 @@ def build_strategy(cfg: Config) -> Strategy:
     timeout = timedelta(seconds=s.timeout_s)
     if isinstance(s, ParoStrategyConfig):
         sharding = s.sharding.upper() if s.sharding.upper() in VALID_STRATEGIES else s.sharding
-        return PaROStrategy(sharding=sharding, group_size=s.group_size, units=_units(s.units),
+        auto = AutoConfig(memory_budget=s.memory_budget, micro_step_seconds=s.micro_step_seconds,
+                          intra=Link.gbit(s.intra_gbps) if s.intra_gbps else None,
+                          inter=Link.gbit(s.inter_gbps) if s.inter_gbps else None)
+        return PaROStrategy(sharding=sharding, group_size=s.group_size, units=_units(s.units), auto=auto,
                             prefetch=s.prefetch, chunk_bytes=s.chunk_bytes, log_traffic=s.log_traffic,
                             state_dict_type=s.state_dict_type, start_method=s.start_method,
                             process_group_backend=s.process_group_backend, timeout=timeout)

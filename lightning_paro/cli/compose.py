@@ -238,6 +238,19 @@ def _check_strategy(cfg: Config) -> None:
             raise ConfigError("strategy.units", f"{s.units!r} must be auto or a list of dotted module class names")
         if cfg.trainer.precision == "16-mixed":
             raise ConfigError("trainer.precision", "16-mixed is refused by PaRO (per-shard inf checks); use bf16-mixed")
+        if not s.memory_budget > 0:
+            raise ConfigError("strategy.memory_budget",
+                              f"{s.memory_budget} must be a share of memory in (0, 1] or a number of bytes above 1")
+        if s.micro_step_seconds is not None and s.micro_step_seconds < 0:
+            raise ConfigError("strategy.micro_step_seconds", f"{s.micro_step_seconds} must be 0 or more, or null")
+        for key in ("intra_gbps", "inter_gbps"):
+            value = getattr(s, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"strategy.{key}", f"{value} must be a positive bandwidth in Gbit/s, or null")
+        if (s.intra_gbps is None) != (s.inter_gbps is None):
+            raise ConfigError("strategy.inter_gbps" if s.inter_gbps is None else "strategy.intra_gbps",
+                              "give both strategy.intra_gbps and strategy.inter_gbps to skip the link probe, or"
+                              " neither")
     if getattr(s, "group_size", None) is not None:
         if isinstance(s.group_size, bool) or s.group_size < 1:
             raise ConfigError("strategy.group_size", f"{s.group_size} must be a positive number of ranks, or null")

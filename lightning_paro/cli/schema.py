@@ -39,6 +39,14 @@ class ParoStrategyConfig:
     """Units gathered ahead of the one computing (0: no prefetch)."""
     chunk_bytes: Optional[int] = None
     """Pipeline chunk of the HO-Ring collectives between groups, in bytes; null: the measured default (2 MiB)."""
+    memory_budget: float = 0.7
+    """sharding=auto: share of a rank's memory (at most 1) or bytes (above 1) the chosen strategy may use."""
+    micro_step_seconds: Optional[float] = None
+    """sharding=auto: compute time of one micro-step, if known (lets the plan count overlap); null: none assumed."""
+    intra_gbps: Optional[float] = None
+    """sharding=auto: intra-group bandwidth per rank in Gbit/s; null: measured at start-up (with inter_gbps)."""
+    inter_gbps: Optional[float] = None
+    """sharding=auto: inter-group bandwidth per rank in Gbit/s; null: measured at start-up (with intra_gbps)."""
     log_traffic: bool = True
     """Log paro/intra_bytes and paro/inter_bytes per optimizer step to the Trainer's loggers."""
     state_dict_type: str = "full"

@@ -57,6 +57,12 @@ def test_every_paro_knob_is_overridable():
     assert s.sharding.name == "NIG" and s._group_size == 2 and s._prefetch == 0 and s._log_traffic is False
     assert s._units == [Block] and s._start_method == "spawn" and s.process_group_backend == "gloo"
     assert s._timeout == timedelta(seconds=60)
+    auto = build_strategy(load_config(["strategy=paro", "strategy.sharding=auto", "strategy.memory_budget=0.5",
+                                       "strategy.micro_step_seconds=0.2", "strategy.intra_gbps=100",
+                                       "strategy.inter_gbps=10", *FOUR_CPUS]))
+    a = auto._auto_config
+    assert a.memory_budget == 0.5 and a.micro_step_seconds == 0.2
+    assert a.intra.bandwidth == 100e9 / 8 and a.inter.bandwidth == 10e9 / 8
 
 
 def test_a_per_strategy_file_is_the_paro_config_with_its_sharding():
@@ -108,6 +114,8 @@ BAD = [
     (["trainer.precision=16-mixed"], "trainer.precision", "bf16-mixed"),
     (["model.dim=30", "model.heads=4"], "model.dim", "heads"),
     (["model.trainable_blocks=5", "model.layers=4"], "model.trainable_blocks", "model.layers=4"),
+    (["strategy.memory_budget=0"], "strategy.memory_budget", "share"),
+    (["strategy.inter_gbps=10"], "strategy.intra_gbps", "both"),
     (["predict.format=csv"], "predict.format", "parquet"),
     (["strategy=hsdp", "strategy.group_size=3", "trainer.devices=4"], "strategy.group_size", "divide"),
     (["hydra.run.dir=outputs/x"], "hydra.run.dir", "run.dir"),
