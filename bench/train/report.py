@@ -16,6 +16,8 @@ from typing import Optional
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "train"
 BASELINES = ("ddp", "fsdp2", "hsdp")
+SYSTEMS = len(BASELINES) + 14 + 1
+"""Systems in a complete setting: the baselines, the 14 PaRO strategies and sharding="auto"."""
 MiB = 2**20
 
 
@@ -71,8 +73,10 @@ def verdict(data: dict) -> Verdict:
 def title(data: dict) -> str:
     peft = (f", PEFT-like (only the last {data['trainable_blocks']} block trains)"
             if data.get("trainable_blocks") is not None else ", full training")
+    done = sum("error" not in r for r in data["rows"])
+    partial = f" (partial: {done} of {SYSTEMS} systems)" if done < SYSTEMS else ""
     return (f"{data['nodes']} nodes x {data['ranks_per_node']} ranks, {data['mbit']} Mbit/s per node,"
-            f" accumulate_grad_batches={data['accumulation']}{peft}")
+            f" accumulate_grad_batches={data['accumulation']}{peft}{partial}")
 
 
 def _cell(value: Optional[float], fmt: str = "{:.1f}") -> str:

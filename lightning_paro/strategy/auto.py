@@ -200,15 +200,15 @@ def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: 
 
 
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
-                repeats: int = 3, chunk_bytes: int | None = None) -> MeasuredLinks:
+                repeats: int = 3, chunk_bytes: int | None = None, global_bytes: int | None = None) -> MeasuredLinks:
     """Measure intra- and inter-group links with a few all-gathers (collective: call on every rank).
 
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
     every rank communicates. Each size is gathered once to warm up, then ``repeats`` times; a rank's time is the
     mean, and the slowest rank's time counts. With several groups of several ranks, one more all-gather of
-    ``large_bytes`` over the whole world runs as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks), and
-    its time over the links' prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its
-    own.
+    ``global_bytes`` (default: 4 x ``large_bytes``, enough chunks for the pipeline to fill) over the whole world runs
+    as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks), and its time over the links' prediction is the
+    ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
     """
     import torch
     import torch.distributed as dist
@@ -249,9 +249,10 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
                 times.append(0.0)
             else:
                 times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
+        global_bytes = global_bytes or 4 * large_bytes
         if hierarchical:
             n = topology.world_size
-            elems = max(1, large_bytes // (4 * n)) * n
+            elems = max(1, global_bytes // (4 * n)) * n
             out = torch.empty(elems, dtype=torch.float32, device=device)
             shard = torch.ones(elems // n, dtype=torch.float32, device=device)
             times.append(timed(lambda: comm.all_gather(out, shard, "global")))
@@ -272,7 +273,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     factor = 1.0
     if hierarchical:
         n = topology.world_size
-        nbytes = 4 * max(1, large_bytes // (4 * n)) * n
+        nbytes = 4 * max(1, global_bytes // (4 * n)) * n
         cluster = Cluster(n, topology.group_size, links[0], links[1], 1.0,
                           chunk_bytes=ho_ring.chunk_bytes)
         predicted = seconds(gather_phases(Level.G, nbytes, cluster), cluster)
