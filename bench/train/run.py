@@ -73,12 +73,16 @@ def run_one(system: str, s: Setting, out: Path) -> dict:
            f"trainer.num_nodes={s.nodes}", f"trainer.accumulate_grad_batches={s.accumulation}",
            "trainer.enable_progress_bar=false", "bench.warmup_steps=1", f"bench.steps={s.timed_steps}",
            f"run.dir={out}", *MODEL, *peft]
+    report = out / "bench.json"
+    report.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - started
-    if proc.returncode != 0:
+    if not report.exists():
         return {"system": system, "error": proc.stdout[-1500:] + proc.stderr[-1500:], "wall_s": wall}
-    result = json.loads((out / "bench.json").read_text())
+    result = json.loads(report.read_text())
+    if proc.returncode != 0:  # trained and reported, then failed while exiting (seen: gloo aborting FSDP2's teardown)
+        result["exit_error"] = f"exit status {proc.returncode} after the report: {proc.stdout[-300:]}"
     nic = {m.group(1): float(m.group(2)) for m in re.finditer(r"(node\d+/eth\d+): sent ([\d.]+) MiB",
                                                                  proc.stdout + proc.stderr)}
     return {"system": system, **result, "nic_sent_mib_whole_run": nic, "wall_s": round(wall, 1),
