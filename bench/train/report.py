@@ -92,6 +92,7 @@ def table(data: dict) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["system"] + (f" (auto: {r['auto_choice']})" if r.get("auto_choice") else "")
+        name += " (failed while exiting, after its report)" if r.get("exit_error") else ""
         steps = r["timed_steps"] + 1  # one warm-up step; the NIC counters cover the whole run
         nic = r.get("nic_sent_mib_whole_run", {}).get("node0/eth0")
         tps = r["tokens_per_s"]
