@@ -126,6 +126,8 @@ def targets(named: list[tuple[str, dict]]) -> str:
            " | vs fsdp2 | auto chose | its run / best | auto run / best | loss spread |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, data in named:
+        if not any(is_paro(r["system"]) and "error" not in r for r in data["rows"]):
+            continue  # nothing to compare yet
         v = verdict(data)
         out.append(
             f"| {name} | {v.best_paro[5:].upper()} ({v.best_paro_tps:.0f}) | {v.budget_bytes / MiB:.1f}"
