@@ -1,7 +1,8 @@
 """Plot the training benchmark (bench/results/train/*.json): tokens/s of every system per setting, and per-rank
 model-state memory against tokens/s. Needs matplotlib (``pip install -e .[bench]``).
 
-Writes bench/results/train/throughput.png and memory.png.
+Writes bench/results/train/throughput.png and memory.png, and cost_model.png (predicted against measured step time,
+from cost_model.json, when ``validate.py`` has written it).
 """
 
 from __future__ import annotations
@@ -78,11 +79,40 @@ def memory(named: list[tuple[str, dict]]) -> None:
     fig.savefig(RESULTS / "memory.png", dpi=110)
 
 
+def cost_model() -> bool:
+    path = RESULTS / "cost_model.json"
+    if not path.exists():
+        return False
+    results = json.loads(path.read_text())["settings"]
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    top = 0.0
+    for r in results:
+        xs = [r["measured_s"][s] for s in r["measured_s"]]
+        ys = [r["predicted_s"][s] for s in r["measured_s"]]
+        ax.scatter(xs, ys, s=16, label=r["setting"])
+        top = max(top, *xs, *ys)
+    line = [0.5, top * 1.2]
+    ax.plot(line, line, color="black", lw=0.8)
+    for f in (0.75, 1.25):
+        ax.plot(line, [v * f for v in line], color="gray", lw=0.6, ls="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured seconds per optimizer step")
+    ax.set_ylabel("predicted seconds per optimizer step")
+    ax.set_title("Cost model against the benchmark (dashed: +-25%)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "cost_model.png", dpi=110)
+    return True
+
+
 def main() -> None:
     named = settings()
     throughput(named)
     memory(named)
-    print(f"wrote {RESULTS / 'throughput.png'} and {RESULTS / 'memory.png'}")
+    extra = " and cost_model.png" if cost_model() else ""
+    print(f"wrote throughput.png, memory.png{extra} in {RESULTS}")
 
 
 if __name__ == "__main__":
