@@ -220,6 +220,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     world = topology.groups.world
     scopes = [("intra", topology.group_size), ("inter", topology.num_groups)]
     hierarchical = topology.group_size > 1 and topology.num_groups > 1
+    global_elems = max(1, (global_bytes or 4 * large_bytes) // (4 * topology.world_size)) * topology.world_size
     ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
                                                                               chunk_bytes=chunk_bytes)
     comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
@@ -249,12 +250,9 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
                 times.append(0.0)
             else:
                 times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
-        global_bytes = global_bytes or 4 * large_bytes
         if hierarchical:
-            n = topology.world_size
-            elems = max(1, global_bytes // (4 * n)) * n
-            out = torch.empty(elems, dtype=torch.float32, device=device)
-            shard = torch.ones(elems // n, dtype=torch.float32, device=device)
+            out = torch.empty(global_elems, dtype=torch.float32, device=device)
+            shard = torch.ones(global_elems // topology.world_size, dtype=torch.float32, device=device)
             times.append(timed(lambda: comm.all_gather(out, shard, "global")))
     finally:
         comm.close()
@@ -272,13 +270,12 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         factors.append(reduce / large if large > 0 else 1.0)
     factor = 1.0
     if hierarchical:
-        n = topology.world_size
-        nbytes = 4 * max(1, global_bytes // (4 * n)) * n
-        cluster = Cluster(n, topology.group_size, links[0], links[1], 1.0,
+        measured = t[3 * len(scopes)]  # after the three timings of each scope
+        cluster = Cluster(topology.world_size, topology.group_size, links[0], links[1], 1.0,
                           chunk_bytes=ho_ring.chunk_bytes)
-        predicted = seconds(gather_phases(Level.G, nbytes, cluster), cluster)
-        if predicted > 0 and t[6] > 0:
-            factor = min(4.0, max(0.25, t[6] / predicted))  # clamped: a noisy probe must not dominate the plan
+        predicted = seconds(gather_phases(Level.G, 4 * global_elems, cluster), cluster)
+        if predicted > 0 and measured > 0:
+            factor = min(4.0, max(0.25, measured / predicted))  # clamped: a noisy probe must not dominate the plan
     return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0),
                          hierarchical_factor=factor)
 
@@ -421,8 +418,11 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
     """
     import torch
 
+    from lightning_paro.comm.collectives import HOR_EXACT_SCOPES
+
     device = torch.device(device)
     optimizers = list(optimizers)
+    chunk_bytes = chunk_bytes or HOR_EXACT_SCOPES.chunk_bytes  # what the engine's HO-Rings will use
     links = None
     if config.intra is None or config.inter is None:
         links = probe_links(topology, device, large_bytes=config.probe_bytes, chunk_bytes=chunk_bytes)
@@ -437,7 +437,7 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
     workload = workload_from_module(module, optimizers, units, accumulation, config.tokens_per_micro_batch,
                                     config.activation_bytes_per_token)
     cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor,
-                      hierarchical_factor=ho_factor, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+                      chunk_bytes=chunk_bytes, hierarchical_factor=ho_factor)
     compute = Compute(config.micro_step_seconds, config.flops_per_second if config.tokens_per_micro_batch else None,
                       config.memory_bandwidth)
     result = plan(workload, cluster, compute, config.memory_budget, prefetch)

@@ -251,8 +251,7 @@ class Phase:
             transfer *= cluster.hierarchical_factor
             return per_chunk * link.latency + max(transfer, chunks * per_chunk * link.latency / HO_RING_CHUNKS_IN_FLIGHT)
         t = self.steps * link.latency + transfer
-        slow = self.op == "reduce_scatter" and not self.hierarchical
-        return t * cluster.reduce_scatter_factor if slow else t
+        return t * cluster.reduce_scatter_factor if self.op == "reduce_scatter" else t
 
 
 def _phases(*candidates: Phase) -> tuple[Phase, ...]:
