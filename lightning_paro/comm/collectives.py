@@ -8,7 +8,9 @@ inter one, with no copies.
 
 All collectives of one :class:`Communicator` run, in the order they were issued, on one background thread: ranks
 issue them in the same order, so they match across ranks, and the caller's thread is free to compute while they
-run (``async_op=True`` returns a :class:`CommHandle`).
+run (``async_op=True`` returns a :class:`CommHandle`). Communicators of the same layout in one process share that
+thread and their process groups (:mod:`lightning_paro.comm.group_cache`), so building strategy after strategy adds
+neither, and work issued by one never races work issued by another.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from lightning_paro.comm import ho_ring
 from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
+from lightning_paro.comm.group_cache import cached_groups
 from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
 
@@ -46,6 +49,44 @@ class CommHandle:
         return self._future.done()
 
 
+class _Worker:
+    """The thread that runs a process's collectives for one layout, one at a time, in the order they were issued."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="paro-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def close(self) -> None:
+        """Run what was submitted, then stop the thread."""
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            # A new thread starts on device 0: make this rank's device current, so that buffers it allocates and
+            # the streams its collectives order against are this rank's.
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future = item
+            try:
+                fn()
+            except BaseException as err:  # surfaced to the waiting thread
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
+
 class Communicator:
     """Issues the collectives of one rank over a :class:`Topology` and records their traffic in a meter."""
 
@@ -58,12 +99,13 @@ class Communicator:
         # Global collectives run as HO-Ring (chunked, intra and inter phases overlapped on their own groups);
         # None keeps the plain two-phase version. Creating the groups is collective, like the ones above.
         self.ho_ring_config = ho_ring_config
-        self._ho_groups = (ho_ring.create_groups(topology)
-                           if ho_ring_config is not None and topology.num_groups > 1 and topology.group_size > 1
-                           else None)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="paro-comm", daemon=True)
-        self._thread.start()
+        # Rail (inter) collectives use HO-Ring's inter phase whenever there are several groups: point-to-point sends
+        # of the ideal volume (the backend's reduce-scatter moves twice that), both link directions busy.
+        self._ho_groups = (ho_ring.shared_groups(topology)
+                           if ho_ring_config is not None and topology.num_groups > 1 else None)
+        self._ho_global = self._ho_groups is not None and topology.group_size > 1
+        self._worker = cached_groups(("paro-comm", topology.world_size, topology.group_size, topology.rank, device),
+                                     lambda: _Worker(device))
 
     # ------------------------------------------------------------------ public collectives
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope, async_op: bool = False) -> CommHandle | None:
@@ -120,37 +162,17 @@ class Communicator:
         self._submit(lambda: dist.all_reduce(tensor, group=group), False)
 
     def close(self) -> None:
-        """Finish pending work and stop the communication thread."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        """Wait for the work issued so far. The communication thread and groups stay, shared with later
+        Communicators of the same layout."""
+        self._submit(lambda: None, False)
 
     # ------------------------------------------------------------------ machinery
     def _submit(self, fn: Callable[[], None], async_op: bool) -> CommHandle | None:
-        future: Future = Future()
-        self._queue.put((fn, future))
-        handle = CommHandle(future)
+        handle = CommHandle(self._worker.submit(fn))
         if async_op:
             return handle
         handle.wait()
         return None
-
-    def _run(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            # A new thread starts on device 0: make this rank's device current, so that buffers it allocates and
-            # the streams its collectives order against are this rank's.
-            torch.cuda.set_device(self.device)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, future = item
-            try:
-                fn()
-            except BaseException as err:  # surfaced to the waiting thread
-                future.set_exception(err)
-            else:
-                future.set_result(None)
 
     def _account(self, op: str, scope: str, nbytes: int) -> None:
         # Recorded when issued (sizes are known), so a step's figures are complete even while its collectives run.
@@ -171,6 +193,9 @@ class Communicator:
             if shard.data_ptr() != out.data_ptr():
                 out.copy_(shard)
             return
+        if scope == INTER and self._ho_groups is not None:
+            ho_ring.rail_all_gather(out, shard, self._ho_groups, chunk_bytes=self.ho_ring_config.chunk_bytes)
+            return
         dist.all_gather_into_tensor(out, shard, group=self._group(scope))
 
     def _phase_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str) -> None:
@@ -179,11 +204,17 @@ class Communicator:
             if full.data_ptr() != out.data_ptr():
                 out.copy_(full)
             return
+        if scope == INTER and self._ho_groups is not None:
+            ho_ring.rail_reduce_scatter(out, full, self._ho_groups, chunk_bytes=self.ho_ring_config.chunk_bytes)
+            return
         dist.reduce_scatter_tensor(out, full, group=self._group(scope))
 
     def _phase_all_reduce(self, tensor: torch.Tensor, scope: str) -> None:
         k = self._size(scope)
         if k == 1:
+            return
+        if scope == INTER and self._ho_groups is not None:
+            ho_ring.rail_all_reduce(tensor, self._ho_groups, chunk_bytes=self.ho_ring_config.chunk_bytes)
             return
         dist.all_reduce(tensor, group=self._group(scope))
 
@@ -195,7 +226,7 @@ class Communicator:
         return full[j * size:(j + 1) * size]
 
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope) -> None:
-        if scope == "global" and self._ho_groups is not None:
+        if scope == "global" and self._ho_global:
             ho_ring.all_gather(out, shard, self.topology, config=self.ho_ring_config, groups=self._ho_groups)
         elif scope == "global":
             block = self._block(out)
@@ -205,7 +236,7 @@ class Communicator:
             self._phase_all_gather(out, shard, scope)
 
     def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp) -> None:
-        if scope == "global" and self._ho_groups is not None:
+        if scope == "global" and self._ho_global:
             ho_ring.reduce_scatter(out, full, self.topology, op=op, config=self.ho_ring_config,
                                    groups=self._ho_groups)
             return
@@ -221,7 +252,7 @@ class Communicator:
             out.div_(k)
 
     def _all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp) -> None:
-        if scope == "global" and self._ho_groups is not None:
+        if scope == "global" and self._ho_global:
             ho_ring.all_reduce(tensor, self.topology, op=op, config=self.ho_ring_config, groups=self._ho_groups)
             return
         if scope == "global":

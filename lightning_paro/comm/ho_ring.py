@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
+from lightning_paro.comm.group_cache import cached_groups
 from lightning_paro.comm.topology import Topology
 
 ReduceOp = Literal["sum", "avg"]
@@ -131,8 +132,11 @@ class _Phase:
     another.
     """
 
-    def __init__(self, name: str, new_group: Callable[[], object]) -> None:
+    def __init__(self, name: str, new_group: Callable[[], object], ring: bool = False) -> None:
         self.name = name
+        self.ring = ring
+        """Exchange by a ring (k - 1 steps, one peer each way at a time) instead of all-to-all: with more than two
+        peers, all-to-all opens k - 1 streams on the same link at once, and they share it less well than one does."""
         # Two groups, one per direction: gloo serialises the two directions of one connection, so an exchange over a
         # single group runs at half the link's duplex rate. Lower rank -> higher rank uses ``up``, the reverse ``down``.
         self.up = new_group()
@@ -142,6 +146,7 @@ class _Phase:
         self._ready: dict[int, tuple[_Job, int, int]] = {}
         self._next_to_run = 0
         self._next_to_reserve = 0
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"ho-ring-{name}", daemon=True)
         self._thread.start()
 
@@ -171,6 +176,14 @@ class _Phase:
             self._ready[seq] = (job, stage, chunk)
             self._cv.notify()
 
+    def stop(self) -> None:
+        """End the worker thread once the tasks already handed to it have run."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
     def _loop(self) -> None:
         # Up to CHUNKS_IN_FLIGHT tasks are posted before the oldest is waited for: while the last messages of chunk k
         # trickle in from the slowest peer, those of chunk k+1 already keep the link busy.
@@ -185,6 +198,8 @@ class _Phase:
                         self._next_to_run += 1
                     elif in_flight:
                         break
+                    elif self._stopping and not self._ready:
+                        return
                     else:
                         self._cv.wait()
             if task is not None:
@@ -294,8 +309,15 @@ class HORingGroups:
             self.intra_scatter = _Phase("intra-scatter", one_group_each(intra_of, g, self.group_index))
             self.intra_gather = _Phase("intra-gather", one_group_each(intra_of, g, self.group_index))
         if g > 1:
-            self.inter_scatter = _Phase("inter-scatter", one_group_each(rail_of, m, self.local_index))
-            self.inter_gather = _Phase("inter-gather", one_group_each(rail_of, m, self.local_index))
+            self.inter_scatter = _Phase("inter-scatter", one_group_each(rail_of, m, self.local_index), ring=g > 2)
+            self.inter_gather = _Phase("inter-gather", one_group_each(rail_of, m, self.local_index), ring=g > 2)
+
+    def close(self) -> None:
+        """Stop the phase threads (after the work already issued). The process groups live until the default group
+        is destroyed."""
+        for phase in (self.flat, self.intra_scatter, self.inter_scatter, self.inter_gather, self.intra_gather):
+            if phase is not None:
+                phase.stop()
 
 
 def create_groups(topology: Topology, rank_order: Sequence[int] | None = None) -> HORingGroups:
@@ -322,8 +344,11 @@ def rank_order_by_node(node_id: str | int) -> list[int]:
     return sorted(range(len(ids)), key=lambda r: (first_rank[ids[r]], r))
 
 
-_default_groups: dict[tuple, HORingGroups] = {}
-_default_lock = threading.Lock()
+def shared_groups(topology: Topology) -> HORingGroups:
+    """The contiguous-placement groups for ``topology``, created on first use and shared by every caller in the
+    process for as long as the default group lives (collective on first use, like :func:`create_groups`)."""
+    key = ("ho-ring", topology.world_size, topology.group_size, topology.rank)
+    return cached_groups(key, lambda: create_groups(topology))
 
 
 def _groups_for(topology: Topology, groups: HORingGroups | None) -> HORingGroups:
@@ -333,11 +358,7 @@ def _groups_for(topology: Topology, groups: HORingGroups | None) -> HORingGroups
         return groups
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_process_group before HO-Ring collectives.")
-    key = (id(dist.group.WORLD), topology.world_size, topology.group_size, topology.rank)
-    with _default_lock:
-        if key not in _default_groups:
-            _default_groups[key] = create_groups(topology)
-        return _default_groups[key]
+    return shared_groups(topology)
 
 
 # ---------------------------------------------------------------------------------------------------------- exchanges
@@ -367,6 +388,8 @@ def _reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, send_r
     Posts the messages and returns the function that waits for them and sums; ``slot`` tells this exchange's messages
     and scratch apart from those of the phase's other exchanges in flight.
     """
+    if phase.ring and all(len(r) == 1 for r in send_ranges):
+        return _ring_reduce_exchange(phase, slot, peers, me, [r[0] for r in send_ranges], src, src_off, dst, dst_off)
     mine = send_ranges[me]
     ops, received = [], []
     for p, peer in enumerate(peers):
@@ -408,6 +431,8 @@ def _gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, ranges
                      buf: torch.Tensor, off: int) -> Callable[[], None]:
     """All-gather by all-to-all: send ``ranges[me]`` of ``buf`` to every peer, receive ``ranges[p]`` from peer p
     straight into ``buf``. Posts the messages and returns the function that waits for them."""
+    if phase.ring and all(len(r) == 1 for r in ranges):
+        return _ring_gather_exchange(phase, slot, peers, me, [r[0] for r in ranges], buf, off)
     ops = []
     for p, peer in enumerate(peers):
         if p == me:
@@ -422,6 +447,80 @@ def _gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, ranges
     def finish() -> None:
         for op in ops:
             op.wait()
+
+    return finish
+
+
+def _ring_reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, pieces: list[Range],
+                          src: torch.Tensor, src_off: int, dst: torch.Tensor, dst_off: int) -> Callable[[], None]:
+    """Reduce-scatter by a ring, the same contract as :func:`_reduce_exchange` with one range per peer.
+
+    In step s (0 <= s < k - 1) each rank sends the next one its partial sum of piece ``me - 1 - s`` (its own values
+    at s = 0) and receives the previous one's partial sum of piece ``me - 2 - s``, to which it adds its own values; at
+    the last step that piece is its own, complete, written to ``dst``. Each rank sends (k - 1)/k of the data, one
+    stream each way. The first step is posted now, the rest run in the returned function.
+    """
+    k = len(peers)
+    nxt, prev = peers[(me + 1) % k], peers[(me - 1) % k]
+    longest = max(b - a for a, b in pieces)
+    scratch = phase.scratch(2 * longest, src, slot)
+    partial = (scratch[:longest], scratch[longest:])  # received into one while the other is sent
+
+    def post(step: int) -> tuple[list, int, torch.Tensor]:
+        send_piece, recv_piece = pieces[(me - 1 - step) % k], pieces[(me - 2 - step) % k]
+        send = _view(src, src_off, send_piece) if step == 0 else partial[(step - 1) % 2][:_size([send_piece])]
+        recv = partial[step % 2][:_size([recv_piece])]
+        ops = []
+        if send.numel():
+            ops.append(dist.isend(send, nxt, group=phase.to(peers[me], nxt), tag=_tag(slot, step)))
+        if recv.numel():
+            ops.append(dist.irecv(recv, prev, group=phase.to(prev, peers[me]), tag=_tag(slot, step)))
+        return ops, (me - 2 - step) % k, recv
+
+    first = post(0)
+
+    def finish() -> None:
+        ops, q, recv = first
+        for step in range(k - 1):
+            if step:
+                ops, q, recv = post(step)
+            for op in ops:
+                op.wait()
+            own = _view(src, src_off, pieces[q])
+            if step < k - 2:
+                recv.add_(own)
+            else:  # q == me: the complete sum of this rank's piece
+                torch.add(own, recv, out=_view(dst, dst_off, pieces[me]))
+
+    return finish
+
+
+def _ring_gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, pieces: list[Range],
+                          buf: torch.Tensor, off: int) -> Callable[[], None]:
+    """All-gather by a ring, the same contract as :func:`_gather_exchange` with one range per peer: in step s each
+    rank passes piece ``me - s`` on to the next rank and receives piece ``me - 1 - s`` from the previous one, straight
+    into ``buf``."""
+    k = len(peers)
+    nxt, prev = peers[(me + 1) % k], peers[(me - 1) % k]
+
+    def post(step: int) -> list:
+        send, recv = _view(buf, off, pieces[(me - step) % k]), _view(buf, off, pieces[(me - 1 - step) % k])
+        ops = []
+        if send.numel():
+            ops.append(dist.isend(send, nxt, group=phase.to(peers[me], nxt), tag=_tag(slot, step)))
+        if recv.numel():
+            ops.append(dist.irecv(recv, prev, group=phase.to(prev, peers[me]), tag=_tag(slot, step)))
+        return ops
+
+    first = post(0)
+
+    def finish() -> None:
+        ops = first
+        for step in range(k - 1):
+            if step:
+                ops = post(step)
+            for op in ops:
+                op.wait()
 
     return finish
 
@@ -710,3 +809,109 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
         _record(meter, "all_gather", INTER, (g - 1) * sum(_size([c[j][i]]) for c in chunks) * es)
         _record(meter, "all_gather", INTRA, (m - 1) * sum(_size(c[j]) for c in chunks) * es)
     return _finish(_Job(stages, len(chunks)).start(), async_op)
+
+
+# ---------------------------------------------------------------------------------------------------------- rails
+# The inter phase alone, for buffers that already live on one rail (PaRO's level-I blocks): the same point-to-point
+# exchanges, duplex groups and chunks in flight as inside a global collective, and the same phase threads, so rail
+# and global collectives keep one order on every rank. Rail position q owns sub-block q of the buffer (equal parts
+# when g divides it, as the backend's reduce_scatter_tensor / all_gather_into_tensor lay them out).
+def _rail_chunks(numel: int, chunk_elems: int, g: int) -> list[list[Range]]:
+    return [ranges[0] for ranges in _layout_chunks(numel, max(1, chunk_elems // g), 1, g)]
+
+
+def _rail_groups(groups: HORingGroups, what: str) -> HORingGroups:
+    if groups.inter_scatter is None or groups.inter_gather is None:
+        raise ValueError(f"rail {what} needs more than one group; with g = 1 there is no rail to run it on.")
+    return groups
+
+
+def rail_reduce_scatter(output: torch.Tensor, input: torch.Tensor, groups: HORingGroups, *, op: ReduceOp = "sum",
+                        async_op: bool = False, chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> HORingWork | None:
+    """Reduce ``input`` over this rank's rail (the g ranks with its local index) and write sub-block ``i`` of the
+    result to ``output`` (``i``: this rank's group). Each rank sends ``(g-1)/g`` of the buffer: the ideal volume.
+
+    Args:
+        output: contiguous, sub-block ``i`` of ``input`` long; must not overlap ``input``.
+        input: contiguous, read only; the same size on every rank of the rail.
+        groups: from :func:`create_groups` or :func:`shared_groups`, with g > 1.
+        op: ``"sum"`` or ``"avg"`` (divided by g).
+        async_op: return an :class:`HORingWork` at once; touch neither tensor until ``wait()``.
+        chunk_bytes: bytes of ``input`` per pipeline chunk; the same on every rank.
+    """
+    _check_op(op)
+    grp = _rail_groups(groups, "reduce_scatter")
+    full, out = _flat_1d(input, "input"), _flat_1d(output, "output")
+    g, i = len(grp.rail_peers), grp.group_index
+    own = split_range(0, full.numel(), g)[i]
+    if out.numel() != own[1] - own[0] or out.dtype != full.dtype:
+        raise ValueError(f"output must hold sub-block {i} of the input: {own[1] - own[0]} elements of {full.dtype}, "
+                         f"got {out.numel()} of {out.dtype}.")
+    chunks = _rail_chunks(full.numel(), max(1, chunk_bytes // full.element_size()), g)
+
+    def inter_scatter(k: int, slot: int) -> Callable[[], None]:
+        done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, [[r] for r in chunks[k]], full, 0, out,
+                                own[0])
+        return _then(done, lambda: _view(out, own[0], chunks[k][i]).div_(g)) if op == "avg" else done
+
+    return _finish(_Job([(grp.inter_scatter, inter_scatter)], len(chunks)).start(), async_op)
+
+
+def rail_all_gather(output: torch.Tensor, input: torch.Tensor, groups: HORingGroups, *, async_op: bool = False,
+                    chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> HORingWork | None:
+    """Gather the sub-blocks of this rank's rail into ``output``, this rank's (``input``) at sub-block ``i``.
+
+    Args:
+        output: contiguous, the rail's full buffer; ``input`` may be a view of it at sub-block ``i``.
+        input: contiguous, sub-block ``i`` long.
+        groups: from :func:`create_groups` or :func:`shared_groups`, with g > 1.
+        async_op: return an :class:`HORingWork` at once; touch neither tensor until ``wait()``.
+        chunk_bytes: bytes of ``output`` per pipeline chunk; the same on every rank.
+    """
+    grp = _rail_groups(groups, "all_gather")
+    full, shard_in = _flat_1d(output, "output"), _flat_1d(input, "input")
+    g, i = len(grp.rail_peers), grp.group_index
+    own = split_range(0, full.numel(), g)[i]
+    if shard_in.numel() != own[1] - own[0] or shard_in.dtype != full.dtype:
+        raise ValueError(f"input must be sub-block {i} of the output: {own[1] - own[0]} elements of {full.dtype}, "
+                         f"got {shard_in.numel()} of {shard_in.dtype}.")
+    dst = _view(full, 0, own)
+    if dst.data_ptr() != shard_in.data_ptr() and dst.numel():
+        dst.copy_(shard_in)
+    chunks = _rail_chunks(full.numel(), max(1, chunk_bytes // full.element_size()), g)
+
+    def inter_gather(k: int, slot: int) -> Callable[[], None]:
+        return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k]], full, 0)
+
+    return _finish(_Job([(grp.inter_gather, inter_gather)], len(chunks)).start(), async_op)
+
+
+def rail_all_reduce(tensor: torch.Tensor, groups: HORingGroups, *, op: ReduceOp = "sum", async_op: bool = False,
+                    chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> HORingWork | None:
+    """Reduce ``tensor`` in place over this rank's rail: per chunk a reduce-scatter, then an all-gather, the two
+    phases of different chunks overlapped. Each rank sends ``2 (g-1)/g`` of the buffer; every rank gets the same bits.
+
+    Args:
+        tensor: contiguous, any size; overwritten with the result.
+        groups: from :func:`create_groups` or :func:`shared_groups`, with g > 1.
+        op: ``"sum"`` or ``"avg"`` (divided by g, once per element by the rank that sums it).
+        async_op: return an :class:`HORingWork` at once; do not touch ``tensor`` until ``wait()``.
+        chunk_bytes: bytes of ``tensor`` per pipeline chunk; the same on every rank.
+    """
+    _check_op(op)
+    grp = _rail_groups(groups, "all_reduce")
+    flat = _flat_1d(tensor, "tensor")
+    g, i = len(grp.rail_peers), grp.group_index
+    step = max(1, chunk_bytes // flat.element_size())
+    chunks = [split_range(a, min(a + step, flat.numel()), g) for a in range(0, flat.numel(), step)]
+
+    def inter_scatter(k: int, slot: int) -> Callable[[], None]:
+        done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, [[r] for r in chunks[k]], flat, 0, flat,
+                                0)
+        return _then(done, lambda: _view(flat, 0, chunks[k][i]).div_(g)) if op == "avg" else done
+
+    def inter_gather(k: int, slot: int) -> Callable[[], None]:
+        return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k]], flat, 0)
+
+    return _finish(_Job([(grp.inter_scatter, inter_scatter), (grp.inter_gather, inter_gather)], len(chunks)).start(),
+                   async_op)

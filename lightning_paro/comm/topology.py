@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+from lightning_paro.comm.group_cache import cached_groups
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 class Topology:
     """The PaRO rank layout. Rank ``r = i * m + j`` is local index ``j`` of group ``i`` (contiguous placement).
 
-    Process groups are created lazily, the first time :attr:`groups` is read, collectively on every rank.
+    Process groups are created lazily, the first time :attr:`groups` is read, collectively on every rank, and shared
+    by every Topology of the same layout in the process (see :mod:`lightning_paro.comm.group_cache`).
     """
 
     world_size: int
@@ -25,8 +27,6 @@ class Topology:
     """m: ranks per group (normally the processes of one node)."""
     rank: int
     """This process's global rank."""
-    _groups: list = field(default_factory=list, init=False, repr=False, compare=False)
-    _lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -81,11 +81,9 @@ class Topology:
 
     @property
     def groups(self) -> ProcessGroups:
-        """This rank's process groups; created collectively on first access."""
-        with self._lock:
-            if not self._groups:
-                self._groups.append(ProcessGroups.create(self))
-            return self._groups[0]
+        """This rank's process groups; created collectively on first access for this layout, then reused."""
+        return cached_groups(("topology", self.world_size, self.group_size, self.rank),
+                             lambda: ProcessGroups.create(self))
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,8 @@ class MeasuredLinks:
     inter: Link
     """Inter-group links (``UNUSED_LINK`` when g = 1)."""
     reduce_scatter_factor: float = 1.0
-    """A large reduce-scatter's time over the same all-gather's (slowest scope); 1 when nothing was measured."""
+    """A large intra-group reduce-scatter's time over the same all-gather's (the backend's collectives; rail ones are
+    HO-Ring's); 1 when nothing was measured."""
     hierarchical_factor: float = 1.0
     """A global (HO-Ring) all-gather's time over what the two links predict for it; 1 when not measured (m = 1 or
     g = 1)."""
@@ -260,14 +261,15 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
     t = slowest.tolist()
     links, factors = [], []
-    for i, (_scope, k) in enumerate(scopes):
+    for i, (scope, k) in enumerate(scopes):
         if k == 1:
             links.append(UNUSED_LINK)
             continue
         elems_small, elems_large = (max(1, b // (4 * k)) * k for b in (small_bytes, large_bytes))
         small, large, reduce = t[3 * i:3 * i + 3]
         links.append(fit_link(k, 4 * elems_small, small, 4 * elems_large, large))
-        factors.append(reduce / large if large > 0 else 1.0)
+        if scope == "intra":  # the backend's collective; rail ones are point to point at the ideal volume
+            factors.append(reduce / large if large > 0 else 1.0)
     factor = 1.0
     if hierarchical:
         measured = t[3 * len(scopes)]  # after the three timings of each scope

@@ -9,8 +9,11 @@ reduce-scatter of a buffer of ``S`` bytes over ``k`` ranks takes ``k - 1`` steps
     t = (k - 1) * (alpha + S / (k * beta))          (an all-reduce: twice that)
 
 where ``alpha`` is the link's latency per step and ``beta`` the bandwidth one rank gets while every rank of the job
-communicates at once (the figure the start-up probe measures). A reduce-scatter inside one link class (the backend's
-own collective) is multiplied by the cluster's ``reduce_scatter_factor`` (1 for ring algorithms, about 2 for gloo).
+communicates at once (the figure the start-up probe measures). Intra-group collectives are the backend's own; its
+reduce-scatter is multiplied by the cluster's ``reduce_scatter_factor`` (1 for ring algorithms, about 2 for gloo).
+Inter-group (rail) collectives run on HO-Ring's inter phase: point to point, the ideal volume, two chunks posted, so
+latency is paid about once per chunk step (one step: all-to-all between two groups; k - 1 steps: a ring over more)
+and no reduce-scatter factor applies.
 
 A global collective is an HO-Ring (``comm/ho_ring.py``): its intra and inter phases send the ideal volume point to
 point to all peers at once with two chunks posted (latency hidden behind the previous chunk, no reduce-scatter factor)
@@ -231,6 +234,17 @@ class Phase:
     """A phase of a global (HO-Ring) collective: the ideal volume point to point, overlapped with its other phases."""
 
     @property
+    def point_to_point(self) -> bool:
+        """Sent by HO-Ring's exchanges (every phase of a global collective, and every inter phase): the ideal volume to
+        all peers at once, chunks in flight."""
+        return self.hierarchical or self.scope == "inter"
+
+    @property
+    def ring(self) -> bool:
+        """HO-Ring runs inter phases over more than two groups as a ring (one stream each way per rank)."""
+        return self.point_to_point and self.scope == "inter" and self.ranks > 2
+
+    @property
     def steps(self) -> int:
         """Ring steps: k - 1, twice that for an all-reduce."""
         return (self.ranks - 1) * (2 if self.op == "all_reduce" else 1)
@@ -242,13 +256,16 @@ class Phase:
 
     def seconds(self, cluster: Cluster, chunks: int = 1) -> float:
         """Alpha-beta time: latency per step + sent bytes / beta, the backend's reduce-scatter times the cluster's
-        factor. An HO-Ring phase sends to all its peers at once (one step per chunk, two for an all-reduce) and keeps
-        ``HO_RING_CHUNKS_IN_FLIGHT`` chunks posted, so latency is paid once unless chunks are too small to cover it."""
+        factor. A point-to-point phase sends to all its peers at once (one step per chunk, two for an all-reduce) and
+        keeps ``HO_RING_CHUNKS_IN_FLIGHT`` chunks posted, so latency is paid once unless chunks are too small to cover
+        it; inside a global collective its transfer is scaled by the cluster's ``hierarchical_factor``."""
         link = cluster.intra if self.scope == "intra" else cluster.inter
         transfer = self.sent_bytes / link.bandwidth
-        if self.hierarchical:
-            per_chunk = 2 if self.op == "all_reduce" else 1
-            transfer *= cluster.hierarchical_factor
+        if self.point_to_point:
+            # all-to-all: one step per chunk; a ring (inter phases over more than two groups): k - 1 steps
+            per_chunk = (2 if self.op == "all_reduce" else 1) * (self.ranks - 1 if self.ring else 1)
+            if self.hierarchical:
+                transfer *= cluster.hierarchical_factor
             return per_chunk * link.latency + max(transfer, chunks * per_chunk * link.latency / HO_RING_CHUNKS_IN_FLIGHT)
         t = self.steps * link.latency + transfer
         return t * cluster.reduce_scatter_factor if self.op == "reduce_scatter" else t
@@ -317,7 +334,8 @@ def seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
     """Time of one collective's phases: one after another, or pipelined chunk by chunk when they are an HO-Ring's
     (module docstring)."""
     ho = [p for p in phases if p.hierarchical]
-    t = sum(p.seconds(cluster) for p in phases if not p.hierarchical)
+    t = sum(p.seconds(cluster, max(1, math.ceil(p.nbytes / cluster.chunk_bytes))) for p in phases
+            if not p.hierarchical)
     if ho:
         chunks = max(1, math.ceil(max(p.nbytes for p in ho) / cluster.chunk_bytes))
         times = [p.seconds(cluster, chunks) for p in ho]

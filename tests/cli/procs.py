@@ -57,6 +57,12 @@ def run_cli(args: Sequence[str], cwd: Path, timeout: float, prefix: Optional[Seq
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # A rank that died leaves the others waiting (and holding the pipes): show what the processes said.
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"{command + list(args)} did not finish in {timeout} s (exit code of the first process:"
+                             f" {proc.returncode})\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}") from None
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)

@@ -73,5 +73,25 @@ def test_traffic_is_recorded_by_scope_at_ideal_volume(layout: str) -> None:
     assert_all_passed(cases(world, f"traffic/reduce_scatter_all_gather/{layout}"), world, 1)
 
 
+RAIL_LAYOUTS = [layout for layout in LAYOUT_WORLD if not layout.startswith("1x")]
+# Per rank and (collective, mode, layout): 2 chunk sizes x 2 dtypes x 2 ops x 3 sizes.
+RAIL_CASES = 2 * 2 * 2 * 3
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("layout", RAIL_LAYOUTS)
+def test_rail_collectives_match_the_flat_collective_over_the_rail(layout: str, collective: str, mode: str) -> None:
+    """Inter-only collectives (PaRO's level-I blocks) through HO-Ring's point-to-point inter phase: equal to the sum
+    over the ranks with the same local index, for sizes below g and not divisible by g, one and many chunks."""
+    world = LAYOUT_WORLD[layout]
+    assert_all_passed(cases(world, f"rail_{collective}/{mode}/{layout}/"), world, RAIL_CASES)
+
+
+def test_groups_of_a_layout_are_created_once_per_process() -> None:
+    assert_all_passed(cases(4, "shared_groups"), 4, 1)
+    assert_all_passed(cases(8, "shared_groups"), 8, 1)
+
+
 def test_rank_order_by_node_groups_round_robin_ranks() -> None:
     assert_all_passed(cases(8, "rank_order_by_node"), 8, 1)

@@ -33,17 +33,12 @@ def test_range_chunks_tile_the_range_with_contiguous_rectangles(seed):
     assert len(range_chunks(shape, start, stop)) <= max(1, 2 * len(shape) - 1)
 
 
-JOBS_PER_LAUNCH = 6
-"""Trainers one set of worker processes runs before fresh ones take over: every Trainer's strategy creates process
-groups that live as long as the process, and gloo keeps threads for each, so one process running dozens of jobs
-slows down job after job."""
-
-
 def _run(tmp, world, jobs, timeout=420):
-    for i in range(0, len(jobs), JOBS_PER_LAUNCH):  # in order: a resume job follows the job that saved its checkpoint
-        batch = tmp / f"jobs{i // JOBS_PER_LAUNCH}.json"
-        batch.write_text(json.dumps(jobs[i:i + JOBS_PER_LAUNCH]))
-        launch("ckpt_jobs.py", world, str(tmp), str(batch), timeout=timeout)
+    """Run ``jobs`` in order (a resume job follows the job that saved its checkpoint) in one set of worker processes:
+    every job builds its own Trainer and strategy, which reuse the process groups of the ones before."""
+    batch = tmp / "jobs.json"
+    batch.write_text(json.dumps(jobs))
+    launch("ckpt_jobs.py", world, str(tmp), str(batch), timeout=timeout)
 
     def result(job_id, rank=0):
         return json.loads((tmp / f"{job_id}.{rank}.json").read_text())
@@ -63,6 +58,15 @@ def resume_runs(tmp_path_factory):
                  {"id": f"{s}-first", "strategy": s, "epochs": 1, "save": str(tmp / f"{s}.ckpt")},
                  {"id": f"{s}-resumed", "strategy": s, "epochs": 2, "resume": str(tmp / f"{s}.ckpt"), "seed": 7}]
     return _run(tmp, 4, jobs, timeout=600)
+
+
+def test_strategies_built_one_after_another_reuse_their_process_groups(resume_runs):
+    """42 Trainers in one process: the threads alive after the last job are no more than after the first one (every
+    strategy reuses the process groups and HO-Ring phase threads of the same layout instead of adding its own)."""
+    result, _ = resume_runs
+    first, last = f"{VALID_STRATEGIES[0]}-straight", f"{VALID_STRATEGIES[-1]}-resumed"
+    for r in range(4):
+        assert result(last, r)["threads"] <= result(first, r)["threads"], (result(first, r), result(last, r))
 
 
 @pytest.mark.timeout(700)

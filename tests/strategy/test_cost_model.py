@@ -88,9 +88,10 @@ def test_iig_communication_only_by_hand():
 def test_gloo_reduce_scatter_factor_scales_reductions_only():
     gloo = Cluster(4, 2, SMALL_CLUSTER.intra, SMALL_CLUSTER.inter, 1e9, reduce_scatter_factor=2.0)
     ring, slow = (predict("IIG", SMALL, c, NO_COMPUTE).terms for c in (SMALL_CLUSTER, gloo))
-    # r and r_root double: 2 micro-steps x (0.8 + 0.8 + 0.4) ms more; the I -> G gradient sync is a reduce-scatter
+    # r and r_root (intra, the backend's reduce-scatter) double: 2 micro-steps x (0.8 + 0.8 + 0.4) ms more; the
+    # I -> G gradient sync is a rail reduce-scatter, point to point at the ideal volume, so it does not change
     assert slow.exposed_micro_comm == pytest.approx(ring.exposed_micro_comm + 2 * 2.0e-3)
-    assert slow.grad_sync == pytest.approx(2 * ring.grad_sync) and slow.param_sync == ring.param_sync
+    assert slow.grad_sync == pytest.approx(ring.grad_sync) and slow.param_sync == ring.param_sync
 
 
 def test_compute_hides_prefetched_gathers_and_overlapped_reductions():
@@ -142,7 +143,7 @@ def test_paro_advantage_needs_slow_inter_links():
         fit = {x.strategy: x.prediction.step_seconds for x in p.candidates if x.fits}
         return min(fit[s] for s in ("NNN", "NNG", "NGG", "GGG") if s in fit) / min(fit.values())
     assert advantage(100 / 8) > 1.19
-    assert advantage(2400) == pytest.approx(1.0, abs=0.02)
+    assert advantage(2400) == pytest.approx(1.0, abs=0.03)  # what is left: latency steps, which differ by strategy
     assert advantage(100 / 8, m=32) == pytest.approx(1.0, abs=1e-9)
 
 

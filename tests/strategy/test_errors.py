@@ -1,6 +1,5 @@
 """Bad input fails early with an error that names the problem and the fix."""
 
-import os
 
 import pytest
 import torch
@@ -43,8 +42,9 @@ def test_16_mixed_is_refused_with_the_alternative():
 
 
 @pytest.fixture
-def world_of_one():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+def world_of_one(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     comm = Communicator(Topology.from_process_group())
     yield comm

@@ -73,8 +73,11 @@ for job in jobs:
         continue
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
+    # Threads alive after the job (the operating system's count: gloo's threads for each process group are not Python
+    # threads): a strategy that leaked its process groups or communication threads would grow it.
     (out / f"{job['id']}.{rank}.json").write_text(json.dumps({"losses": model.losses,
-                                                              "global_step": trainer.global_step}))
+                                                              "global_step": trainer.global_step,
+                                                              "threads": len(os.listdir("/proc/self/task"))}))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{job['id']}.pt")
 print("done", rank)

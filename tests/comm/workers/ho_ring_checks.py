@@ -120,6 +120,9 @@ def run_layout(m: int, groups=None, tag: str = "") -> None:
             work.wait(timeout=60)
             compare(f"{coll}/async/{case}", got, want)
 
+    if n // m > 1:
+        run_rails(grp, layout, seed)
+
     # Real-valued data: every rank must end with the same bits (replicas must not drift), close to the flat sum.
     gen = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(12_007, generator=gen)
@@ -157,6 +160,51 @@ def run_layout(m: int, groups=None, tag: str = "") -> None:
     report(f"traffic/reduce_scatter_all_gather/{layout}", snap == want_rs_ag, f"{snap} != {want_rs_ag}")
 
 
+def rail_reference(x: torch.Tensor, grp) -> torch.Tensor:
+    """Sum of ``x`` over this rank's rail, by a flat all-reduce of m slots where each rank fills its local index's."""
+    slots = torch.zeros((grp.topology.group_size, x.numel()), dtype=x.dtype)
+    slots[grp.local_index] = x
+    dist.all_reduce(slots)
+    return slots[grp.local_index]
+
+
+def run_rails(grp, layout: str, seed: int) -> None:
+    """Rail (inter-only) collectives, sync and several in flight, against flat references over the rail."""
+    g, i = len(grp.rail_peers), grp.group_index
+    pending = []
+    for chunk_bytes in (64, ho_ring.DEFAULT_CONFIG.chunk_bytes):
+        for dname, dtype in DTYPES.items():
+            for op in ("sum", "avg"):
+                for numel in (1, g + 1, 1001):
+                    seed += 1
+                    case = f"{layout}/{chunk_bytes}/{dname}/{op}/{numel}"
+                    x = data(numel, dtype, seed)
+                    want = rail_reference(x, grp)
+                    want = want / g if op == "avg" else want
+                    a, b = ho_ring.split_range(0, numel, g)[i]
+                    shard = data(numel, dtype, seed + 500)[a:b]
+                    full_want = torch.zeros(numel, dtype=dtype)
+                    full_want[a:b] = shard
+                    full_want = rail_reference(full_want, grp)
+                    for mode in ("sync", "async"):
+                        ar, rs_in = x.clone(), x.clone()
+                        rs_out = torch.full((b - a,), 99, dtype=dtype)
+                        ag = torch.full((numel,), 99, dtype=dtype)
+                        async_op = mode == "async"
+                        works = [ho_ring.rail_all_reduce(ar, grp, op=op, async_op=async_op, chunk_bytes=chunk_bytes),
+                                 ho_ring.rail_reduce_scatter(rs_out, rs_in, grp, op=op, async_op=async_op,
+                                                             chunk_bytes=chunk_bytes),
+                                 ho_ring.rail_all_gather(ag, shard, grp, async_op=async_op, chunk_bytes=chunk_bytes)]
+                        pending.append((mode, case, works, [(ar, want), (rs_out, want[a:b]), (ag, full_want)]))
+    for mode, case, works, pairs in pending:
+        for coll, work, (got, want) in zip(("all_reduce", "reduce_scatter", "all_gather"), works, pairs):
+            if work is not None:
+                work.wait(timeout=60)
+            compare(f"rail_{coll}/{mode}/{case}", got, want)
+
+
+topo_world = Topology(world_size=n, group_size=group_sizes[0], rank=rank)
+report("shared_groups", ho_ring.shared_groups(topo_world) is ho_ring.shared_groups(topo_world), "created twice")
 for m in group_sizes:
     run_layout(m)
 if round_robin_m:
