@@ -7,7 +7,7 @@ For each scenario (nodes x ranks per node, link rate, NIC model, rank placement)
 * ``flat``: the torch.distributed collective over the world (gloo),
 * ``hier``: HO-Ring with a single chunk, so its phases run one after another (hierarchical, no overlap),
 * ``ho-ring``: HO-Ring with its default configuration (chunked, phases overlapped),
-* ``comm-global``: the existing ``Communicator`` global collective (hierarchical, gloo subgroup calls; contiguous
+* ``comm-global``: the ``Communicator``'s global collective, issued through its communication thread (contiguous
   placement only, since its topology assumes it).
 
 Reported per case: median time over the repetitions (each the slowest rank's), algorithm bandwidth ``S / t``, bus

@@ -363,6 +363,16 @@ def workload_from_module(module, optimizers: Iterable = (), units="auto", accumu
             owners[id(p)] = owners.get(id(p), 0) + 1
     # a parameter shared by several units lives in the root unit, like in the engine
     in_units = sum(params[pid].numel() for pid, count in owners.items() if count == 1 and pid in params)
+    # Backward runs from the last unit down to the first one holding a trainable parameter; a trainable parameter
+    # outside the units may sit before all of them (an embedding), so then backward is taken to reach every unit.
+    trainable_ids = {id(p) for p in trainable}
+    in_units_trainable = {pid for pid, count in owners.items() if count == 1} & trainable_ids
+    if trainable_ids - in_units_trainable:
+        backward_units = len(unit_modules)
+    else:
+        first = next((k for k, (_name, mod) in enumerate(unit_modules)
+                      if any(id(p) in trainable_ids for p in mod.parameters())), len(unit_modules))
+        backward_units = len(unit_modules) - first
     param_bytes = round(sum(p.numel() * p.element_size() for p in params.values()) / num_params)
     master_bytes = 4 if param_bytes < 4 else 0
     if num_trainable:
@@ -376,6 +386,7 @@ def workload_from_module(module, optimizers: Iterable = (), units="auto", accumu
         num_units=len(unit_modules), root_fraction=1 - in_units / num_params if unit_modules else 1.0,
         tokens_per_micro_batch=tokens_per_micro_batch, param_bytes=param_bytes, grad_bytes=param_bytes,
         optim_bytes=round(master_bytes + 4 * states), activation_bytes_per_token=activation_bytes_per_token,
+        backward_units=backward_units,
     )
 
 

@@ -40,7 +40,9 @@ parameters (0 when P = N), ``r`` the time to reduce-scatter one unit's gradient 
 The first gather of the forward and of the backward cannot be prefetched (nothing runs before them), the root is
 gathered synchronously at the start of a micro-step, and the last reduce-scatters finish before the next micro-step
 can gather (the thread is first-in-first-out). Without prefetching (``prefetch=0``) every gather is exposed:
-``forward = L * (a + c_f)`` and ``backward = L * (a + c_b + r)``.
+``forward = L * (a + c_f)`` and ``backward = L * (a + c_b + r)``. When only the last ``L_b`` units hold trainable
+parameters (``Workload.backward_units``: a PEFT run that trains the top blocks), backward runs through those alone:
+``L_b`` replaces ``L`` in ``backward``, and the backward compute and trainable bytes are spread over them.
 
 **Once per optimizer step** nothing overlaps::
 
@@ -172,8 +174,14 @@ class Workload:
     """K: optimizer-state bytes per trainable parameter (Adam: 8, plus 4 for a separate fp32 master)."""
     activation_bytes_per_token: float = 0.0
     """Activation memory per token of the micro-batch on one rank (0: not counted; leave headroom instead)."""
+    backward_units: int | None = None
+    """Units the backward pass runs through (from the first one holding a trainable parameter to the last); the
+    frozen units before them are neither gathered again nor computed in backward. None: all of them."""
 
     def __post_init__(self) -> None:
+        if self.backward_units is not None and not 0 <= self.backward_units <= self.num_units:
+            raise ValueError(f"backward_units must be between 0 and num_units={self.num_units}, got"
+                             f" {self.backward_units!r}.")
         if not self.num_params > 0:
             raise ValueError(f"num_params must be > 0, got {self.num_params!r}.")
         if not 0 <= self.num_trainable <= self.num_params:
@@ -452,29 +460,35 @@ def micro_step_seconds(spec: ShardingSpec, workload: Workload, cluster: Cluster,
                        prefetch: int = 1) -> float:
     """One micro-step on this engine's timeline (module docstring): compute plus the communication it cannot hide."""
     split = _split(workload)
+    L = workload.num_units
+    Lb = L if workload.backward_units is None else workload.backward_units
     a = seconds(gather_phases(spec.params, split.unit_params, cluster), cluster)
-    r = seconds(reduce_scatter_phases(spec.grads, split.unit_trainable, cluster), cluster)
+    # the units' trainable parameters are spread over the units backward runs through
+    unit_trainable = split.unit_trainable * L / Lb if Lb else 0.0
+    r = seconds(reduce_scatter_phases(spec.grads, unit_trainable, cluster), cluster)
     a_root = seconds(gather_phases(spec.params, split.root_params, cluster), cluster)
     r_root = seconds(reduce_scatter_phases(spec.grads, split.root_trainable, cluster), cluster)
-    L = workload.num_units
     root = workload.root_fraction if L else 1.0
     # Forward is 2 Psi FLOPs per token, backward 2 Psi + 2 Psi': split the compute in that ratio.
     f = workload.trainable_fraction
     forward_share = 1.0 / (2.0 + f)
     c_f = compute_seconds * (1.0 - root) * forward_share / L if L else 0.0
-    c_b = compute_seconds * (1.0 - root) * (1.0 - forward_share) / L if L else 0.0
+    c_b = compute_seconds * (1.0 - root) * (1.0 - forward_share) / Lb if Lb else 0.0
     if L == 0:
-        units = 0.0
+        forward = 0.0
     elif prefetch <= 0:
-        units = L * (a + c_f) + L * (a + c_b + r)
+        forward = L * (a + c_f)
     else:
         forward = a + c_f + (L - 1) * max(c_f, a)
-        if L == 1:
-            backward = a + c_b + r
-        else:
-            backward = a + max(c_b, a) + (L - 2) * max(c_b, a + r) + max(c_b, r) + r
-        units = forward + backward
-    return a_root + compute_seconds * root + units + r_root
+    if Lb == 0:
+        backward = 0.0
+    elif prefetch <= 0:
+        backward = Lb * (a + c_b + r)
+    elif Lb == 1:
+        backward = a + c_b + r
+    else:
+        backward = a + max(c_b, a) + (Lb - 2) * max(c_b, a + r) + max(c_b, r) + r
+    return a_root + compute_seconds * root + forward + backward + r_root
 
 
 def step_terms(spec: ShardingSpec, workload: Workload, cluster: Cluster, compute: Compute,

@@ -1,6 +1,7 @@
 """The cost model: memory equals the design's formula, step times follow the alpha-beta arithmetic, and the ranking
 responds to bandwidth, memory and PEFT the way the design's rules of thumb say."""
 
+import dataclasses
 import math
 
 import pytest
@@ -92,6 +93,23 @@ def test_gloo_reduce_scatter_factor_scales_reductions_only():
     # I -> G gradient sync is a rail reduce-scatter, point to point at the ideal volume, so it does not change
     assert slow.exposed_micro_comm == pytest.approx(ring.exposed_micro_comm + 2 * 2.0e-3)
     assert slow.grad_sync == pytest.approx(ring.grad_sync) and slow.param_sync == ring.param_sync
+
+
+def test_frozen_units_before_the_trainable_ones_are_not_gathered_for_backward():
+    # GGG, no compute: forward gathers 2 units (2a), backward 2a + 2r over both units, or a + r over the last one only
+    # (it then holds all the units' trainable parameters, so its reduction is twice as large).
+    every = predict("GGG", SMALL, SMALL_CLUSTER, NO_COMPUTE).terms
+    last = predict("GGG", dataclasses.replace(SMALL, backward_units=1), SMALL_CLUSTER, NO_COMPUTE).terms
+    none = predict("GGG", dataclasses.replace(SMALL, backward_units=0), SMALL_CLUSTER, NO_COMPUTE).terms
+    a = seconds(gather_phases(Level.G, 0.4e6 * 4, SMALL_CLUSTER), SMALL_CLUSTER)
+    r_one = seconds(reduce_scatter_phases(Level.G, 0.4e6 * 4, SMALL_CLUSTER), SMALL_CLUSTER)
+    r_both = seconds(reduce_scatter_phases(Level.G, 0.8e6 * 4, SMALL_CLUSTER), SMALL_CLUSTER)
+    A = SMALL.accumulation
+    assert every.exposed_micro_comm - none.exposed_micro_comm == pytest.approx(A * (2 * a + 2 * r_one))
+    assert last.exposed_micro_comm - none.exposed_micro_comm == pytest.approx(A * (a + r_both))
+    assert every.grad_sync == last.grad_sync and every.param_sync == last.param_sync
+    with pytest.raises(ValueError, match="backward_units must be between 0 and num_units=2"):
+        dataclasses.replace(SMALL, backward_units=3)
 
 
 def test_compute_hides_prefetched_gathers_and_overlapped_reductions():
