@@ -363,11 +363,14 @@ def workload_from_module(module, optimizers: Iterable = (), units="auto", accumu
             owners[id(p)] = owners.get(id(p), 0) + 1
     # a parameter shared by several units lives in the root unit, like in the engine
     in_units = sum(params[pid].numel() for pid, count in owners.items() if count == 1 and pid in params)
-    # Backward runs from the last unit down to the first one holding a trainable parameter; a trainable parameter
-    # outside the units may sit before all of them (an embedding), so then backward is taken to reach every unit.
+    # Backward runs from the last unit down to the first one holding a trainable parameter. A trainable parameter
+    # outside the units that is registered before them (an embedding, a tied head) may be used before all of them, so
+    # then backward is taken to reach every unit; one registered after them (a final norm, a head) is not.
     trainable_ids = {id(p) for p in trainable}
-    in_units_trainable = {pid for pid, count in owners.items() if count == 1} & trainable_ids
-    if trainable_ids - in_units_trainable:
+    unit_owned = {pid for pid, count in owners.items() if count == 1}
+    order = {id(p): k for k, p in enumerate(module.parameters())}
+    first_unit_param = min((order[pid] for pid in unit_owned if pid in order), default=len(order))
+    if any(order[pid] < first_unit_param for pid in trainable_ids - unit_owned):
         backward_units = len(unit_modules)
     else:
         first = next((k for k, (_name, mod) in enumerate(unit_modules)

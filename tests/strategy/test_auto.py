@@ -125,7 +125,7 @@ def test_workload_from_module_matches_the_engine_view():
     assert w16.num_trainable == w16.num_params
     frozen = workload_from_module(Net(), [])
     assert frozen.num_trainable == 0 and frozen.optim_bytes == 0
-    assert w.backward_units == 3  # trainable parameters outside the units: backward may reach the first unit
+    assert w.backward_units == 3  # a trainable embedding before the units: backward reaches the first unit
 
 
 def test_workload_from_module_counts_the_units_backward_runs_through():
@@ -135,6 +135,7 @@ def test_workload_from_module_counts_the_units_backward_runs_through():
     w = workload_from_module(net, [torch.optim.AdamW(net.blocks[2].parameters())])
     assert w.num_units == 3 and w.backward_units == 1
     net.blocks[1].requires_grad_(True)
+    net.head.requires_grad_(True)  # registered after the units: used after them
     w = workload_from_module(net, [torch.optim.AdamW(p for p in net.parameters() if p.requires_grad)])
     assert w.backward_units == 2
 
