@@ -13,13 +13,14 @@ on 64 and 128, 8 per node, NVLink inside, 100/200/400 Gbit/s per node between no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_paro.strategy.auto import DEFAULT_MEMORY_BUDGET, GB, Plan, format_plan, plan
-from lightning_paro.strategy.cost_model import Cluster, Compute, Link, Workload
+from lightning_paro.strategy.cost_model import Cluster, Compute, Link, Workload, fastest_chunk_bytes
 from lightning_paro.strategy.levels import KNOWN_AS, VALID_STRATEGIES
 
 GIB = 2**30
@@ -75,6 +76,7 @@ def paper_scale_plan(model: PaperModel, gpus: int, inter_node_gbps: float, accum
                         activation_bytes_per_token=model.activation_bytes_per_token())
     inter = Link.gbit(inter_node_gbps / gpus_per_node, 20)  # all 8 GPUs of a node cross its network at once
     cluster = Cluster(gpus, gpus_per_node, PAPER_DEVICE["intra"], inter, PAPER_DEVICE["device_memory"])
+    cluster = dataclasses.replace(cluster, chunk_bytes=fastest_chunk_bytes(workload, cluster))
     compute = Compute(flops_per_second=PAPER_DEVICE["flops_per_second"],
                       memory_bandwidth=PAPER_DEVICE["memory_bandwidth"])
     return plan(workload, cluster, compute, PAPER_DEVICE["memory_budget"])
@@ -193,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optim-bytes", type=int, default=None, help="override K, optimizer bytes per trainable param")
     p.add_argument("--activation-bytes-per-token", type=float, default=0.0, help="activation memory per token")
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (the strategy's prefetch)")
+    p.add_argument("--chunk-mib", type=float, default=None,
+                   help="HO-Ring chunk in MiB (the strategy's chunk_bytes); default: the one predicted fastest")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     return p
 
@@ -218,6 +222,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                             activation_bytes_per_token=args.activation_bytes_per_token)
         cluster = Cluster(n, m, Link.gbit(args.intra_gbps, args.intra_latency_us),
                           Link.gbit(inter_gbps, args.inter_latency_us), args.device_memory_gib * GIB)
+        chunk = args.chunk_mib * 2**20 if args.chunk_mib is not None else fastest_chunk_bytes(workload, cluster)
+        cluster = dataclasses.replace(cluster, chunk_bytes=chunk)
         compute = Compute(micro_step_seconds=args.micro_step_seconds,
                           flops_per_second=args.tflops * 1e12 if args.tflops else None,
                           memory_bandwidth=args.memory_bandwidth_gbs * 1e9)

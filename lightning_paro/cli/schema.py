@@ -38,7 +38,8 @@ class ParoStrategyConfig:
     prefetch: int = 1
     """Units gathered ahead of the one computing (0: no prefetch)."""
     chunk_bytes: Optional[int] = None
-    """Pipeline chunk of the HO-Ring collectives between groups, in bytes; null: the measured default (2 MiB)."""
+    """Pipeline chunk of the HO-Ring collectives between groups, in bytes; null: 2 MiB (sharding=auto: sized by the
+    cost model to the probed links)."""
     memory_budget: float = 0.7
     """sharding=auto: share of a rank's memory (at most 1) or bytes (above 1) the chosen strategy may use."""
     micro_step_seconds: Optional[float] = None

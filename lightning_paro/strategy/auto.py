@@ -22,6 +22,7 @@ from lightning_paro.strategy.cost_model import (
     Link,
     Prediction,
     Workload,
+    fastest_chunk_bytes,
     gather_phases,
     predict_all,
     seconds,
@@ -430,7 +431,9 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
 
     Measures what ``config`` leaves open (links: :func:`probe_links`; memory: :func:`device_memory_bytes`, the
     smallest over ranks), describes the model with :func:`workload_from_module` and returns :func:`plan`'s result,
-    the same on every rank. ``chunk_bytes`` is the strategy's HO-Ring chunk (None: the default).
+    the same on every rank. ``chunk_bytes`` is the strategy's HO-Ring chunk; None plans with the chunk the cost model
+    predicts fastest for these links (:func:`~lightning_paro.strategy.cost_model.fastest_chunk_bytes`), which the
+    strategy then uses: ``plan.cluster.chunk_bytes``.
     """
     import torch
 
@@ -438,10 +441,10 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
 
     device = torch.device(device)
     optimizers = list(optimizers)
-    chunk_bytes = chunk_bytes or HOR_EXACT_SCOPES.chunk_bytes  # what the engine's HO-Rings will use
+    probe_chunk = chunk_bytes or HOR_EXACT_SCOPES.chunk_bytes
     links = None
     if config.intra is None or config.inter is None:
-        links = probe_links(topology, device, large_bytes=config.probe_bytes, chunk_bytes=chunk_bytes)
+        links = probe_links(topology, device, large_bytes=config.probe_bytes, chunk_bytes=probe_chunk)
     intra = config.intra or links.intra
     inter = config.inter or links.inter
     factor = config.reduce_scatter_factor or (links.reduce_scatter_factor if links else 1.0)
@@ -453,7 +456,9 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
     workload = workload_from_module(module, optimizers, units, accumulation, config.tokens_per_micro_batch,
                                     config.activation_bytes_per_token)
     cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor,
-                      chunk_bytes=chunk_bytes, hierarchical_factor=ho_factor)
+                      chunk_bytes=probe_chunk, hierarchical_factor=ho_factor)
+    if chunk_bytes is None:  # the links are known now: size the chunk to them (the same on every rank)
+        cluster = dataclasses.replace(cluster, chunk_bytes=fastest_chunk_bytes(workload, cluster))
     compute = Compute(config.micro_step_seconds, config.flops_per_second if config.tokens_per_micro_batch else None,
                       config.memory_bandwidth)
     result = plan(workload, cluster, compute, config.memory_budget, prefetch)
@@ -474,7 +479,8 @@ def describe_links(intra: Link, inter: Link) -> str:
 
 
 def describe_cluster(cluster: Cluster) -> str:
-    """One line for the log: ranks, links, the reduce-scatter factor and the HO-Ring factor."""
+    """One line for the log: ranks, links, the reduce-scatter factor, the HO-Ring factor and chunk."""
     return (f"n={cluster.world_size} ranks in groups of m={cluster.group_size}; "
             f"{describe_links(cluster.intra, cluster.inter)}; reduce-scatter {cluster.reduce_scatter_factor:.2f}x"
-            f" an all-gather; HO-Ring phases {cluster.hierarchical_factor:.2f}x the backend's time")
+            f" an all-gather; HO-Ring phases {cluster.hierarchical_factor:.2f}x the backend's time, chunks of"
+            f" {cluster.chunk_bytes / 2**20:.4g} MiB")

@@ -351,6 +351,29 @@ def seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
     return t
 
 
+CHUNK_CHOICES = tuple(2**k * 2**20 for k in range(1, 7))
+"""HO-Ring chunks :func:`fastest_chunk_bytes` picks from: 2 MiB (the engine's default) to 64 MiB."""
+
+
+def fastest_chunk_bytes(workload: Workload, cluster: Cluster, choices: tuple[int, ...] = CHUNK_CHOICES) -> int:
+    """The HO-Ring chunk the model predicts fastest for a global all-reduce of one unit's parameters.
+
+    Small chunks overlap the phases of a collective more finely; every chunk pays the phases' latency, and an inter
+    phase over g groups runs as a ring of g - 1 steps per chunk. At large scale (many groups, fast links) a 2 MiB
+    chunk leaves each ring step a few KiB, so latency, not bandwidth, bounds the collective; a larger chunk restores
+    the bandwidth bound. Ties go to the smallest chunk (the finest overlap, the least memory in flight).
+    """
+    split = _split(workload)
+    nbytes = max(split.unit_params, split.unit_trainable, split.root_params) or workload.param_bytes
+    phases = grad_sync_phases(ShardingSpec.parse("NNN"), nbytes, cluster)
+    best, best_t = choices[0], math.inf
+    for chunk in choices:
+        t = seconds(phases, dataclasses.replace(cluster, chunk_bytes=chunk))
+        if t < best_t * (1 - 1e-9):
+            best, best_t = chunk, t
+    return best
+
+
 # ------------------------------------------------------------------------------------------------------ predictions
 @dataclass(frozen=True)
 class StepTerms:

@@ -39,6 +39,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_paro.comm.accounting import TrafficMeter
 from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
+from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
 from lightning_paro.strategy import checkpoint as ckpt
 from lightning_paro.strategy.auto import AutoConfig, Plan, format_plan, plan_for_job
@@ -64,7 +65,8 @@ class PaROStrategy(ParallelStrategy):
             classes, or a predicate ``(name, module) -> bool``.
         prefetch: how many units ahead to gather while the current one computes (0: no prefetch).
         chunk_bytes: pipeline chunk of the HO-Ring collectives that span groups, in bytes of the full buffer
-            (``None``: the measured default, 2 MiB).
+            (``None``: 2 MiB, the measured default; with ``sharding="auto"`` the chunk the cost model predicts
+            fastest for the probed links, at least 2 MiB).
         log_traffic: log ``paro/intra_bytes`` and ``paro/inter_bytes`` per optimizer step to the Trainer's loggers.
         auto: options of ``sharding="auto"`` (memory budget, given link bandwidths, compute time per micro-step).
         state_dict_type: ``"sharded"`` (default): checkpoints are directories written by every rank through
@@ -272,9 +274,8 @@ class PaROStrategy(ParallelStrategy):
                 self._comm.close()
                 self._comm = None
         if self._comm is None:
-            ho_ring = HOR_EXACT_SCOPES if self._chunk_bytes is None else replace(HOR_EXACT_SCOPES,
-                                                                                   chunk_bytes=self._chunk_bytes)
-            self._comm = Communicator(self.topology, self.meter, device=self.root_device, ho_ring_config=ho_ring)
+            self._comm = Communicator(self.topology, self.meter, device=self.root_device,
+                                      ho_ring_config=self._ho_ring_config())
         raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
         master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
         assert self.lightning_module is not None
@@ -287,6 +288,14 @@ class PaROStrategy(ParallelStrategy):
                 f" {self.engine._untracked[0]!r}); the PaRO strategy treats them as frozen."
             )
         self._last_snapshot = self.meter.snapshot()
+
+    def _ho_ring_config(self) -> HORingConfig:
+        """The HO-Ring settings: the ``chunk_bytes`` given, else the chunk ``sharding="auto"`` planned with, else the
+        default."""
+        chunk_bytes = self._chunk_bytes
+        if chunk_bytes is None and self._auto and self.auto_plan is not None:
+            chunk_bytes = int(self.auto_plan.cluster.chunk_bytes)
+        return HOR_EXACT_SCOPES if chunk_bytes is None else replace(HOR_EXACT_SCOPES, chunk_bytes=chunk_bytes)
 
     @override
     def model_to_device(self) -> None:

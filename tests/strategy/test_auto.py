@@ -154,6 +154,32 @@ def test_plan_for_job_with_everything_given_needs_no_collectives():
     assert p.choice in VALID_STRATEGIES and "No compute time" not in p.reason
 
 
+def test_auto_sizes_the_ho_ring_chunk_to_the_links_and_the_strategy_uses_it():
+    from lightning_paro.comm.topology import Topology
+    from lightning_paro.strategy.auto import AutoConfig, plan_for_job
+    from lightning_paro.strategy.strategy import PaROStrategy
+
+    # 2 blocks of 1.3e8 parameters on the meta device (nothing allocated), 16 groups of 8 on fast, high-latency links
+    net = nn.Sequential(*[nn.Linear(8192, 16384, device="meta") for _ in range(2)])
+    opt = torch.optim.AdamW(net.parameters())
+    config = AutoConfig(intra=Link.gbit(2400, 10), inter=Link.gbit(50, 20), device_memory=80e9,
+                        micro_step_seconds=1.0)
+    units = [nn.Linear]
+    p = plan_for_job(net, [opt], Topology(128, 8, rank=3), "cpu", accumulation=4, ranks_on_host=8, units=units,
+                     config=config)
+    assert p.cluster.chunk_bytes > 2 * 2**20 and f"chunks of {p.cluster.chunk_bytes / 2**20:g} MiB" in format_plan(p)
+    given = plan_for_job(net, [opt], Topology(128, 8, rank=3), "cpu", accumulation=4, ranks_on_host=8, units=units,
+                         config=config, chunk_bytes=2**20)
+    assert given.cluster.chunk_bytes == 2**20
+    # the strategy's HO-Rings: the chunk given, else the planned one under sharding="auto", else the default 2 MiB
+    auto = PaROStrategy(sharding="auto")
+    assert auto._ho_ring_config().chunk_bytes == 2 * 2**20
+    auto.auto_plan = p
+    assert auto._ho_ring_config().chunk_bytes == p.cluster.chunk_bytes
+    assert PaROStrategy(sharding="auto", chunk_bytes=2**20)._ho_ring_config().chunk_bytes == 2**20
+    assert PaROStrategy(sharding="IIG")._ho_ring_config().chunk_bytes == 2 * 2**20
+
+
 def test_optimizer_states_per_param():
     p = [nn.Parameter(torch.zeros(2))]
     assert optimizer_states_per_param(torch.optim.SGD(p, lr=0.1)) == 0
@@ -168,6 +194,8 @@ def test_plan_command(capsys):
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
     assert all(s in out for s in VALID_STRATEGIES) and "choice: " in out and "n=32 ranks in groups of m=8" in out
+    assert "chunks of 8 MiB" in out  # 200 Gbit/s per rank: at 2 MiB the ring over 4 groups is latency-bound
+    assert plan_main(argv + ["--chunk-mib", "0.5"]) == 0 and "chunks of 0.5 MiB" in capsys.readouterr().out
     assert plan_main(argv[:-2] + ["--device-memory-gib", "1"]) == 1  # nothing fits 70% of 1 GiB
     assert "choice: none" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--params is required"):

@@ -15,6 +15,7 @@ from lightning_paro.strategy.cost_model import (
     Compute,
     Link,
     Workload,
+    fastest_chunk_bytes,
     grad_sync_phases,
     gather_phases,
     param_sync_phases,
@@ -266,3 +267,24 @@ def test_hierarchical_factor_scales_ho_ring_transfers_only():
     assert seconds(gather_phases(Level.I, 8e6, fast), fast) == seconds(gather_phases(Level.I, 8e6, c), c)
     with pytest.raises(ValueError, match="hierarchical_factor"):
         Cluster(**base, hierarchical_factor=0)
+
+
+def test_the_fastest_chunk_grows_only_where_a_ring_of_many_groups_is_latency_bound():
+    # LLaMA-65B on 128 GPUs (16 groups of 8), 400 Gbit/s per node: with 2 MiB chunks each of the inter ring's 15 steps
+    # carries 16 KiB (3 us at 50 Gbit/s) against 20 us of latency
+    w, c, _ = _llama(LLAMA_65B, 128, inter_gbit_per_rank=50)
+    chunk = fastest_chunk_bytes(w, c)
+    assert chunk > 2 * 2**20
+    nbytes = w.param_bytes * w.num_params * (1 - w.root_fraction) / w.num_units
+    phases = grad_sync_phases(ShardingSpec.parse("NNN"), nbytes, c)
+    at = {size: seconds(phases, dataclasses.replace(c, chunk_bytes=size)) for size in (2 * 2**20, chunk)}
+    assert at[chunk] < 0.7 * at[2 * 2**20]
+    # no latency, or two groups (one exchange per chunk, no ring): the default 2 MiB, the finest overlap
+    free = dataclasses.replace(c, inter=Link.gbit(50, 0), intra=Link.gbit(2400, 0))
+    assert fastest_chunk_bytes(w, free) == 2 * 2**20
+    w7, c7, _ = _llama(LLAMA_7B, 16)
+    assert fastest_chunk_bytes(w7, c7) == 2 * 2**20
+    # the emulated cluster: 4 groups of 2 at 100 Mbit/s per node, 1 ms per step
+    bench = Cluster(8, 2, Link.gbit(1.0, 50), Link.gbit(0.05, 1000), 4e9)
+    assert fastest_chunk_bytes(Workload(1.07e7, 1.07e7, num_units=6, root_fraction=0.05), bench) == 2 * 2**20
+
