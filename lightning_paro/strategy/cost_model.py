@@ -356,7 +356,8 @@ CHUNK_CHOICES = tuple(2**k * 2**20 for k in range(1, 7))
 
 
 def fastest_chunk_bytes(workload: Workload, cluster: Cluster, choices: tuple[int, ...] = CHUNK_CHOICES) -> int:
-    """The HO-Ring chunk the model predicts fastest for a global all-reduce of one unit's parameters.
+    """The HO-Ring chunk the model predicts fastest for a global all-reduce of the largest unit (parameters or
+    gradients, whichever is larger; the root unit too).
 
     Small chunks overlap the phases of a collective more finely; every chunk pays the phases' latency, and an inter
     phase over g groups runs as a ring of g - 1 steps per chunk. At large scale (many groups, fast links) a 2 MiB
