@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--inter-gbps is per node, shared by the ranks of a group")
     p.add_argument("--intra-latency-us", type=float, default=10, help="latency per ring step inside a group")
     p.add_argument("--inter-latency-us", type=float, default=20, help="latency per ring step between groups")
+    p.add_argument("--intra-overlap", type=float, default=1.0,
+                   help="share of an intra-group transfer hidden behind compute (1: NVLink; 0: it takes the CPU)")
+    p.add_argument("--inter-overlap", type=float, default=1.0,
+                   help="share of an inter-group transfer hidden behind compute (1: a NIC; 0: it takes the CPU)")
     p.add_argument("--device-memory-gib", type=float, default=80, help="memory per rank, GiB")
     p.add_argument("--memory-budget", type=float, default=DEFAULT_MEMORY_BUDGET,
                    help="fraction of memory (<= 1) or bytes (> 1) for states, in-flight buffers and activations")
@@ -220,8 +224,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                             tokens_per_micro_batch=tokens, param_bytes=pb, grad_bytes=gb,
                             optim_bytes=args.optim_bytes if args.optim_bytes is not None else kb,
                             activation_bytes_per_token=args.activation_bytes_per_token)
-        cluster = Cluster(n, m, Link.gbit(args.intra_gbps, args.intra_latency_us),
-                          Link.gbit(inter_gbps, args.inter_latency_us), args.device_memory_gib * GIB)
+        cluster = Cluster(n, m, Link.gbit(args.intra_gbps, args.intra_latency_us, args.intra_overlap),
+                          Link.gbit(inter_gbps, args.inter_latency_us, args.inter_overlap), args.device_memory_gib * GIB)
         chunk = args.chunk_mib * 2**20 if args.chunk_mib is not None else fastest_chunk_bytes(workload, cluster)
         cluster = dataclasses.replace(cluster, chunk_bytes=chunk)
         compute = Compute(micro_step_seconds=args.micro_step_seconds,

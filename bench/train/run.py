@@ -7,8 +7,11 @@ reports tokens/s over the timed steps, the bytes each rank sent per optimizer st
 that crossed each node's NIC (the NIC counters). Results go to ``bench/results/train/``.
 
 Results are written after every system, and a rerun skips systems that already have one (``--redo`` reruns).
+``--more N`` adds N runs of every listed system to the ones it has, pass by pass over the systems (so a busy spell of
+the machine hits every system alike); a system's row is then its run of median tokens/s, and ``runs`` holds them all.
 
-Usage (root): ``python bench/train/run.py [--settings 2x2-100m-a4,...] [--systems ddp,fsdp2,paro_iig,...] [--redo]``
+Usage (root): ``python bench/train/run.py [--settings 2x2-100m-a4,...] [--systems ddp,fsdp2,paro_iig,...] [--redo]
+[--more N]``
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ class Setting:
 
 
 SETTINGS = {
-    "2x2-1g-a1": Setting(2, 2, 1000, 1, timed_steps=3),
-    "2x2-1g-a4": Setting(2, 2, 1000, 4, timed_steps=3),
+    "2x2-1g-a1": Setting(2, 2, 1000, 1, timed_steps=8),
+    "2x2-1g-a4": Setting(2, 2, 1000, 4, timed_steps=6),
     "2x2-100m-a1": Setting(2, 2, 100, 1),
     "2x2-100m-a4": Setting(2, 2, 100, 4),
     "4x2-100m-a1": Setting(4, 2, 100, 1),
@@ -89,11 +92,23 @@ def run_one(system: str, s: Setting, out: Path) -> dict:
             "auto_choice": result.get("auto", {}).get("choice")}
 
 
+def with_run(old: Optional[dict], new: dict) -> dict:
+    """``new`` added to the runs ``old`` holds (a row without ``runs`` is one run): the run of median tokens/s (the
+    upper one of an even count), with every run in ``runs``."""
+    runs = [*(old.get("runs", [old]) if old else []), new]
+    runs = [r for r in runs if "error" not in r] or [new]
+    median = sorted(runs, key=lambda r: r["tokens_per_s"] or 0.0)[len(runs) // 2]
+    return {**{k: v for k, v in median.items() if k != "runs"}, "runs": [{k: v for k, v in r.items() if k != "runs"}
+                                                                         for r in runs]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--redo", action="store_true", help="rerun the listed systems even where they have a result (others are kept)")
+    ap.add_argument("--more", type=int, default=0, metavar="N",
+                    help="add N runs of each listed system, pass by pass; rows become the median run")
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.settings.split(","):
@@ -101,11 +116,12 @@ def main() -> None:
         path = RESULTS / f"{name}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         rows = {r["system"]: r for r in old.get("rows", []) if "error" not in r}
-        for system in args.systems.split(","):
-            if system in rows and not args.redo:
+        passes = [(p, system) for p in range(max(1, args.more)) for system in args.systems.split(",")]
+        for _, system in passes:
+            if system in rows and not (args.redo or args.more):
                 continue
             row = run_one(system, s, Path("/tmp") / "paro-train-bench" / name / system)
-            rows[system] = row
+            rows[system] = with_run(rows.get(system), row) if args.more else row
             print(name, json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "final_loss", "error",
                                                            "auto_choice")}), flush=True)
             ordered = [rows[k] for k in SYSTEMS if k in rows]

@@ -3,13 +3,15 @@ every setting, and whether the predicted ranking matches the measured one.
 
 The model's inputs are measured in the same benchmark, never fitted to its step times:
 
-* links (alpha, beta per link class), gloo's reduce-scatter factor and the HO-Ring factor: the start-up probes of
+* links (alpha, beta and overlap with compute per link class), gloo's reduce-scatter factor and the HO-Ring factor:
+  the start-up probes of
   the ``sharding="auto"`` runs on the same emulated cluster (nodes, ranks per node, NIC rate), the median of each
   figure (one probe on a busy 2-core machine varies by tens of percent);
 * compute per micro-step: the median micro-batch of the ``ddp`` run that ends no optimizer step (DDP's ``no_sync``:
   no communication) at the same number of processes and trainable parameters; settings at
-  accumulate_grad_batches=1 have none and take the A=4 setting's figure;
-* the optimizer update's memory bandwidth: an AdamW step over the model, timed here;
+  accumulate_grad_batches=1 have none and take the A=4 setting's figure, on the same cluster where there is one;
+* the optimizer update's memory bandwidth: AdamW steps over the model, timed here in as many processes at once as the
+  setting has ranks (they share this machine's cores and memory in the benchmark too), one thread each;
 * the model (parameters, units, root unit, element sizes): the benchmark's GPT built from the same config.
 
 Writes bench/results/train/cost_model.json and cost_model.md.
@@ -53,13 +55,17 @@ def workload(data: dict):
                                                    cfg.data.batch_size * cfg.model.seq_len)
 
 
-def update_bandwidth(module: torch.nn.Module, optimizer: torch.optim.Optimizer, repeats: int = 5) -> float:
+def update_bandwidth(module: torch.nn.Module, optimizer: torch.optim.Optimizer, repeats: int = 5,
+                     start=None) -> float:
     """Bytes per second of an AdamW step over the whole model (read and write two states, read the gradient, write
-    the parameter: the bytes the cost model charges), timed on this machine."""
+    the parameter: the bytes the cost model charges), timed on this machine; ``start`` (a barrier) lines up
+    processes that measure at once."""
     trainable = [p for p in module.parameters() if p.requires_grad]
     for p in trainable:
         p.grad = torch.zeros_like(p)
     optimizer.step()  # creates the states
+    if start is not None:
+        start.wait()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -69,12 +75,36 @@ def update_bandwidth(module: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     return elements * (2 * 8 + 4 + 4) / statistics.median(times)
 
 
+def _update_worker(start, results) -> None:
+    torch.set_num_threads(1)  # as the benchmark's ranks (OMP_NUM_THREADS=1)
+    module, optimizer, _ = workload({"trainable_blocks": None, "accumulation": 1})
+    results.put(update_bandwidth(module, optimizer, start=start))
+
+
+def concurrent_update_bandwidth(processes: int) -> float:
+    """:func:`update_bandwidth` in ``processes`` processes stepping at once: the median process's figure."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(processes), ctx.Queue()
+    workers = [ctx.Process(target=_update_worker, args=(start, results)) for _ in range(processes)]
+    for w in workers:
+        w.start()
+    try:
+        figures = [results.get(timeout=300) for _ in workers]
+    finally:
+        for w in workers:
+            w.join(timeout=60)
+            if w.is_alive():
+                w.kill()
+    return statistics.median(figures)
+
+
 def compute_seconds(name: str, data: dict, settings: dict[str, dict]) -> tuple[float, str]:
     """Compute time of one micro-step and where it came from."""
     own = next((r for r in data["rows"] if r["system"] == "ddp"), {}).get("accumulating_micro_step_s")
     if own:
         return own, name
-    for other, d in settings.items():
+    same_cluster_first = sorted(settings.items(), key=lambda item: item[1]["mbit"] != data["mbit"])
+    for other, d in same_cluster_first:
         same = (d["nodes"], d["ranks_per_node"], d.get("trainable_blocks")) == (
             data["nodes"], data["ranks_per_node"], data.get("trainable_blocks"))
         value = next((r for r in d["rows"] if r["system"] == "ddp"), {}).get("accumulating_micro_step_s")
@@ -110,29 +140,32 @@ def pairwise_agreement(pred: dict[str, float], meas: dict[str, float], margin: f
     return agree, total
 
 
-PROBED = ("intra_bytes_per_s", "intra_latency_s", "inter_bytes_per_s", "inter_latency_s", "reduce_scatter_factor",
-          "hierarchical_factor")
+PROBED = ("intra_bytes_per_s", "intra_latency_s", "inter_bytes_per_s", "inter_latency_s", "intra_overlap",
+          "inter_overlap", "reduce_scatter_factor", "hierarchical_factor")
+"""Probed figures; a probe from before a figure existed leaves it out, and a figure no probe has is taken as 1."""
 
 
 def probed_links(data: dict, settings: dict[str, dict]) -> tuple[dict, int]:
-    """Median of every probed figure over the auto runs on the same cluster as ``data``, and how many there were."""
+    """Median of every probed figure over the auto runs (every run of a repeated system) on the same cluster as
+    ``data``, and how many there were."""
     cluster = (data["nodes"], data["ranks_per_node"], data["mbit"])
-    probes = [r["auto"] for d in settings.values() if (d["nodes"], d["ranks_per_node"], d["mbit"]) == cluster
-              for r in d["rows"] if r["system"] == "paro" and "auto" in r]
+    probes = [run["auto"] for d in settings.values() if (d["nodes"], d["ranks_per_node"], d["mbit"]) == cluster
+              for r in d["rows"] if r["system"] == "paro" for run in r.get("runs", [r]) if "auto" in run]
     if not probes:
         raise LookupError(f"no sharding=auto run on {cluster[0]}x{cluster[1]} at {cluster[2]} Mbit/s, so no probed"
                           " links")
-    return {k: statistics.median(p.get(k, 1.0) for p in probes) for k in PROBED}, len(probes)
+    return {k: statistics.median([p[k] for p in probes if k in p] or [1.0]) for k in PROBED}, len(probes)
 
 
-def check(name: str, data: dict, settings: dict[str, dict], bandwidth: float) -> dict:
+def check(name: str, data: dict, settings: dict[str, dict], bandwidths: dict[int, float]) -> dict:
     rows = {r["system"]: r for r in data["rows"] if "error" not in r}
     auto, probes = probed_links(data, settings)
-    link = lambda kind: Link(auto[f"{kind}_bytes_per_s"], auto[f"{kind}_latency_s"])  # noqa: E731
+    link = lambda kind: Link(auto[f"{kind}_bytes_per_s"], auto[f"{kind}_latency_s"], auto[f"{kind}_overlap"])  # noqa: E731
     cluster = Cluster(data["nodes"] * data["ranks_per_node"], data["ranks_per_node"], link("intra"), link("inter"),
                       device_memory=1e12, reduce_scatter_factor=auto["reduce_scatter_factor"],
                       hierarchical_factor=auto.get("hierarchical_factor", 1.0))
     compute, compute_from = compute_seconds(name, data, settings)
+    bandwidth = bandwidths[cluster.world_size]
     _, _, w = workload(data)
     measured, predicted = {}, {}
     for s in VALID_STRATEGIES:
@@ -148,7 +181,9 @@ def check(name: str, data: dict, settings: dict[str, dict], bandwidth: float) ->
     agree, pairs = pairwise_agreement(predicted, measured)
     return {
         "setting": name, "compute_s": compute, "compute_from": compute_from, "probes": probes,
+        "update_gb_per_s": bandwidth / 1e9,
         "intra_gbit": cluster.intra.bandwidth * 8 / 1e9, "inter_gbit": cluster.inter.bandwidth * 8 / 1e9,
+        "intra_overlap": cluster.intra.overlap, "inter_overlap": cluster.inter.overlap,
         "reduce_scatter_factor": cluster.reduce_scatter_factor, "hierarchical_factor": cluster.hierarchical_factor,
         "measured_s": measured, "predicted_s": predicted, "error": errors,
         "within_tolerance": sum(abs(e) <= TOLERANCE for e in errors.values()), "strategies": len(errors),
@@ -160,19 +195,20 @@ def check(name: str, data: dict, settings: dict[str, dict], bandwidth: float) ->
     }
 
 
-def markdown(results: list[dict], bandwidth: float) -> str:
+def markdown(results: list[dict]) -> str:
     out = ["### Cost model against the benchmark", "",
-           f"Inputs measured, not fitted: links from the start-up probes on the same emulated cluster (median of"
-           f" 'probes'), compute per micro-step from the ddp run's communication-free micro-batches, the update at"
-           f" {bandwidth / 1e9:.2f} GB/s (AdamW step timed here). Tolerance {TOLERANCE:.0%}.", "",
-           "| setting | compute s/micro | probes | intra Gbit/s | inter Gbit/s | RS factor | HO-Ring factor | within 25% |"
-           " max error | Spearman |"
+           "Inputs measured, not fitted: links from the start-up probes on the same emulated cluster (median of"
+           " 'probes'), compute per micro-step from the ddp run's communication-free micro-batches, the update's"
+           " memory bandwidth from AdamW steps timed here in as many processes at once as the setting has ranks."
+           f" Tolerance {TOLERANCE:.0%}.", "",
+           "| setting | compute s/micro | update GB/s | probes | intra Gbit/s | inter Gbit/s | overlap intra, inter | RS factor |"
+           " HO-Ring factor | within 25% | max error | Spearman |"
            " pairs ordered right (>10% apart) | best measured | best predicted (its measured s / best s) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = r["predicted_best_measured_s"] / r["measured_s"][r["best_measured"]]
-        out.append(f"| {r['setting']} | {r['compute_s']:.3f} | {r['probes']} | {r['intra_gbit']:.2f} | {r['inter_gbit']:.3f}"
-                   f" | {r['reduce_scatter_factor']:.2f} | {r['hierarchical_factor']:.2f}"
+        out.append(f"| {r['setting']} | {r['compute_s']:.3f} | {r['update_gb_per_s']:.2f} | {r['probes']} | {r['intra_gbit']:.2f} | {r['inter_gbit']:.3f}"
+                   f" | {r['intra_overlap']:.2f}, {r['inter_overlap']:.2f} | {r['reduce_scatter_factor']:.2f} | {r['hierarchical_factor']:.2f}"
                    f" | {r['within_tolerance']}/{r['strategies']} | {r['max_abs_error']:.0%} | {r['spearman']:.2f}"
                    f" | {r['pairs_agree']}/{r['pairs']} | {r['best_measured']} | {r['best_predicted']} ({ratio:.2f}) |")
     for r in results:
@@ -185,17 +221,17 @@ def markdown(results: list[dict], bandwidth: float) -> str:
 def main() -> None:
     torch.manual_seed(0)
     settings = {p.stem: d for p in sorted(RESULTS.glob("*.json")) if "rows" in (d := json.loads(p.read_text()))}
-    module, optimizer, _ = workload(next(iter(settings.values())) | {"trainable_blocks": None})
-    bandwidth = update_bandwidth(module, optimizer)
+    sizes = sorted({d["nodes"] * d["ranks_per_node"] for d in settings.values()})
+    bandwidths = {n: concurrent_update_bandwidth(n) for n in sizes}
     results = []
     for name, data in settings.items():
         try:
-            results.append(check(name, data, settings, bandwidth))
+            results.append(check(name, data, settings, bandwidths))
         except LookupError as exc:
             print(f"skipped {exc}")
-    (RESULTS / "cost_model.json").write_text(json.dumps({"update_bytes_per_s": bandwidth, "settings": results},
-                                                        indent=2))
-    text = markdown(results, bandwidth)
+    (RESULTS / "cost_model.json").write_text(json.dumps(
+        {"update_bytes_per_s": {str(n): b for n, b in bandwidths.items()}, "settings": results}, indent=2))
+    text = markdown(results)
     (RESULTS / "cost_model.md").write_text(text + "\n")
     print(text)
 

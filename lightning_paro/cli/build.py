@@ -66,8 +66,8 @@ def build_strategy(cfg: Config) -> Strategy:
     if isinstance(s, ParoStrategyConfig):
         sharding = s.sharding.upper() if s.sharding.upper() in VALID_STRATEGIES else s.sharding
         auto = AutoConfig(memory_budget=s.memory_budget, micro_step_seconds=s.micro_step_seconds,
-                          intra=Link.gbit(s.intra_gbps) if s.intra_gbps else None,
-                          inter=Link.gbit(s.inter_gbps) if s.inter_gbps else None)
+                          intra=Link.gbit(s.intra_gbps, overlap=s.intra_overlap) if s.intra_gbps else None,
+                          inter=Link.gbit(s.inter_gbps, overlap=s.inter_overlap) if s.inter_gbps else None)
         return PaROStrategy(sharding=sharding, group_size=s.group_size, units=_units(s.units), auto=auto,
                             prefetch=s.prefetch, chunk_bytes=s.chunk_bytes, log_traffic=s.log_traffic,
                             state_dict_type=s.state_dict_type, start_method=s.start_method,

@@ -68,6 +68,7 @@ def _strategy_stats(strategy: Any) -> dict[str, Any]:
             "choice": plan.choice,
             "intra_bytes_per_s": c.intra.bandwidth, "intra_latency_s": c.intra.latency,
             "inter_bytes_per_s": c.inter.bandwidth, "inter_latency_s": c.inter.latency,
+            "intra_overlap": c.intra.overlap, "inter_overlap": c.inter.overlap,
             "reduce_scatter_factor": c.reduce_scatter_factor, "hierarchical_factor": c.hierarchical_factor,
             "predicted_step_s": {k.strategy: k.prediction.step_seconds for k in plan.candidates},
         }

@@ -247,6 +247,11 @@ def _check_strategy(cfg: Config) -> None:
             value = getattr(s, key)
             if value is not None and not value > 0:
                 raise ConfigError(f"strategy.{key}", f"{value} must be a positive bandwidth in Gbit/s, or null")
+        for key in ("intra_overlap", "inter_overlap"):
+            value = getattr(s, key)
+            if not 0 <= value <= 1:
+                raise ConfigError(f"strategy.{key}", f"{value} must be a share in [0, 1] of a transfer hidden behind"
+                                  " compute (1 for GPUs with NVLink and NICs, 0 where transfers take the CPU)")
         if (s.intra_gbps is None) != (s.inter_gbps is None):
             raise ConfigError("strategy.inter_gbps" if s.inter_gbps is None else "strategy.intra_gbps",
                               "give both strategy.intra_gbps and strategy.inter_gbps to skip the link probe, or"

@@ -48,6 +48,10 @@ class ParoStrategyConfig:
     """sharding=auto: intra-group bandwidth per rank in Gbit/s; null: measured at start-up (with inter_gbps)."""
     inter_gbps: Optional[float] = None
     """sharding=auto: inter-group bandwidth per rank in Gbit/s; null: measured at start-up (with intra_gbps)."""
+    intra_overlap: float = 1.0
+    """sharding=auto with given bandwidths: share of an intra-group transfer that hides behind compute (1: NVLink)."""
+    inter_overlap: float = 1.0
+    """sharding=auto with given bandwidths: share of an inter-group transfer that hides behind compute (1: a NIC)."""
     log_traffic: bool = True
     """Log paro/intra_bytes and paro/inter_bytes per optimizer step to the Trainer's loggers."""
     state_dict_type: str = "full"

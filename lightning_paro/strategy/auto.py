@@ -35,6 +35,9 @@ headroom for undeclared activations, the allocator's cache and the framework."""
 
 GB = 1e9
 
+OVERLAP_WINDOW_S = 0.25
+"""The probe times a link's overlap with compute over at least this long (at most 64 large all-gathers)."""
+
 
 # ---------------------------------------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
@@ -174,15 +177,27 @@ class MeasuredLinks:
     """Links as measured by :func:`probe_links` (the same on every rank)."""
 
     intra: Link
-    """Intra-group links (``UNUSED_LINK`` when m = 1)."""
+    """Intra-group links (``UNUSED_LINK`` when m = 1), with the measured ``overlap``."""
     inter: Link
-    """Inter-group links (``UNUSED_LINK`` when g = 1)."""
+    """Inter-group links (``UNUSED_LINK`` when g = 1), with the measured ``overlap``."""
     reduce_scatter_factor: float = 1.0
     """A large intra-group reduce-scatter's time over the same all-gather's (the backend's collectives; rail ones are
     HO-Ring's); 1 when nothing was measured."""
     hierarchical_factor: float = 1.0
     """A global (HO-Ring) all-gather's time over what the two links predict for it; 1 when not measured (m = 1 or
     g = 1)."""
+
+
+def overlap_from_times(compute: float, comm: float, both: float) -> float:
+    """The share of ``comm`` that hid behind ``compute`` when both ran at once (``both`` seconds), in [0, 1].
+
+    1: ``both`` took as long as the longer of the two (the transfer needs none of the processor the compute runs on);
+    0: as long as their sum or longer (it needed it all the time, or the two slowed each other down further).
+    """
+    shorter = min(compute, comm)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute + comm - both) / shorter))
 
 
 def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: float, large_seconds: float) -> Link:
@@ -201,13 +216,39 @@ def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: 
     return Link(share * large_bytes / max(large_seconds, 1e-9), 0.0)
 
 
+def _matmuls(device, seconds_wanted: float):
+    """A compute loop of square matmuls that takes about ``seconds_wanted`` on this rank, as a callable."""
+    import torch
+
+    size = 1024 if device.type == "cuda" else 192
+    x = torch.randn(size, size, device=device)
+    y = torch.empty_like(x)
+    torch.mm(x, x, out=y)  # warm-up
+    _synchronize(device)
+    started = time.perf_counter()
+    for _ in range(4):
+        torch.mm(x, x, out=y)
+    _synchronize(device)
+    one = max((time.perf_counter() - started) / 4, 1e-7)
+    count = max(1, round(seconds_wanted / one))
+
+    def run() -> None:
+        for _ in range(count):
+            torch.mm(x, x, out=y)
+        _synchronize(device)
+
+    return run
+
+
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
                 repeats: int = 3, chunk_bytes: int | None = None, global_bytes: int | None = None) -> MeasuredLinks:
     """Measure intra- and inter-group links with a few all-gathers (collective: call on every rank).
 
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
     every rank communicates. Each size is gathered once to warm up, then ``repeats`` times; a rank's time is the
-    mean, and the slowest rank's time counts. With several groups of several ranks, one more all-gather of
+    mean, and the slowest rank's time counts. A link's ``overlap`` comes from two more timings, over
+    ``OVERLAP_WINDOW_S`` or more: matmuls sized to last as long as a run of large all-gathers, alone, then beside
+    the same all-gathers issued on the engine's communication thread (:func:`overlap_from_times`). With several groups of several ranks, one more all-gather of
     ``global_bytes`` (default: 4 x ``large_bytes``, enough chunks for the pipeline to fill) over the whole world runs
     as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks), and its time over the links' prediction is the
     ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
@@ -237,21 +278,42 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         _synchronize(device)
         return (time.perf_counter() - start) / repeats
 
-    times = []  # per scope: small all-gather, large all-gather, large reduce-scatter
+    def beside(compute, count: int) -> float:
+        """Seconds until ``count`` all-gathers issued on the communication thread and ``compute`` are both done."""
+        _synchronize(device)
+        dist.barrier(group=world)
+        start = time.perf_counter()
+        handles = [comm.all_gather(out, shard, scope, async_op=True) for _ in range(count)]
+        compute()
+        for handle in handles:
+            handle.wait()
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    per_scope = 5
+    times = []  # per scope: small all-gather, large all-gather, large reduce-scatter, compute, compute beside gathers
     try:
         for scope, k in scopes:
+            if k == 1:
+                times += [0.0] * per_scope
+                continue
             for nbytes in (small_bytes, large_bytes):
-                if k == 1:
-                    times.append(0.0)
-                    continue
                 elems = max(1, nbytes // (4 * k)) * k
                 out = torch.empty(elems, dtype=torch.float32, device=device)
                 shard = torch.ones(elems // k, dtype=torch.float32, device=device)
                 times.append(timed(lambda: comm.all_gather(out, shard, scope)))
-            if k == 1:
-                times.append(0.0)
-            else:
-                times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
+            times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
+            # overlap: enough large gathers (the same number on every rank) to fill OVERLAP_WINDOW_S
+            slowest_gather = torch.tensor([times[-2]], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest_gather, op=dist.ReduceOp.MAX, group=world)
+            count = min(64, max(repeats, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather.item(), 1e-9))))
+            compute = _matmuls(device, count * times[-2])
+            compute()  # warm-up
+            dist.barrier(group=world)  # every rank computes at once, as in training
+            started = time.perf_counter()
+            compute()
+            times.append((time.perf_counter() - started) / count)  # per gather, like the large gather's time
+            times.append(beside(compute, count) / count)
         if hierarchical:
             out = torch.empty(global_elems, dtype=torch.float32, device=device)
             shard = torch.ones(global_elems // topology.world_size, dtype=torch.float32, device=device)
@@ -267,13 +329,14 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
             links.append(UNUSED_LINK)
             continue
         elems_small, elems_large = (max(1, b // (4 * k)) * k for b in (small_bytes, large_bytes))
-        small, large, reduce = t[3 * i:3 * i + 3]
-        links.append(fit_link(k, 4 * elems_small, small, 4 * elems_large, large))
+        small, large, reduce, compute, both = t[per_scope * i:per_scope * (i + 1)]
+        overlap = overlap_from_times(compute, large, both)
+        links.append(dataclasses.replace(fit_link(k, 4 * elems_small, small, 4 * elems_large, large), overlap=overlap))
         if scope == "intra":  # the backend's collective; rail ones are point to point at the ideal volume
             factors.append(reduce / large if large > 0 else 1.0)
     factor = 1.0
     if hierarchical:
-        measured = t[3 * len(scopes)]  # after the three timings of each scope
+        measured = t[per_scope * len(scopes)]  # after the timings of each scope
         cluster = Cluster(topology.world_size, topology.group_size, links[0], links[1], 1.0,
                           chunk_bytes=ho_ring.chunk_bytes)
         predicted = seconds(gather_phases(Level.G, 4 * global_elems, cluster), cluster)
@@ -401,9 +464,9 @@ class AutoConfig:
     memory_budget: float = DEFAULT_MEMORY_BUDGET
     """Fraction of a rank's memory (<= 1) or bytes (> 1) for model states, in-flight buffers, declared activations."""
     intra: Link | None = None
-    """Intra-group link; None: measure it at start-up."""
+    """Intra-group link (bandwidth, latency, overlap with compute); None: measure it at start-up."""
     inter: Link | None = None
-    """Inter-group link; None: measure it at start-up."""
+    """Inter-group link (bandwidth, latency, overlap with compute); None: measure it at start-up."""
     device_memory: float | None = None
     """Bytes of memory per rank; None: read free device memory (CPU: the rank's share of available host memory)."""
     micro_step_seconds: float | None = None
@@ -474,7 +537,8 @@ def describe_links(intra: Link, inter: Link) -> str:
     def one(link: Link) -> str:
         if math.isinf(link.bandwidth):
             return "unused"
-        return f"{link.bandwidth * 8 / 1e9:.3g} Gbit/s, {link.latency * 1e6:.3g} us per step"
+        hidden = "" if link.overlap == 1 else f", {link.overlap:.0%} hidden behind compute"
+        return f"{link.bandwidth * 8 / 1e9:.3g} Gbit/s, {link.latency * 1e6:.3g} us per step{hidden}"
     return f"intra {one(intra)}; inter {one(inter)}"
 
 

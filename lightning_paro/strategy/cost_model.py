@@ -32,10 +32,16 @@ rest; compute is spread over them in proportion to their parameters. With ``a`` 
 parameters (0 when P = N), ``r`` the time to reduce-scatter one unit's gradient (0 when G = N), ``a_root`` and
 ``r_root`` the same for the root unit, and ``c_f``, ``c_b`` one unit's forward and backward compute::
 
-    forward  = a + c_f + (L - 1) * max(c_f, a)                    next unit's gather prefetched during compute
-    backward = a + max(c_b, a) + (L - 2) * max(c_b, a + r)        gather of unit k-1 and reduce-scatter of unit k+1
-               + max(c_b, r) + r                                  share the thread while unit k computes
+    forward  = a + c_f + (L - 1) * beside(c_f, a)                 next unit's gather prefetched during compute
+    backward = a + beside(c_b, a) + (L - 2) * beside(c_b, a + r)  gather of unit k-1 and reduce-scatter of unit k+1
+               + beside(c_b, r) + r                               share the thread while unit k computes
     micro    = a_root + root compute + forward + backward + r_root
+
+where ``beside(c, t) = max(c + t_cpu, t)`` is compute ``c`` running beside collectives of time ``t``, of which
+``t_cpu`` needs the processor the compute runs on: each phase's time times ``1 - overlap`` of its link. With
+engines of their own for the transfers (``overlap = 1``: NVLink, NICs) that is ``max(c, t)``; where the transfers
+take the same CPU cores as the compute (``overlap = 0``: gloo over TCP between processes of one machine) the two add
+up, ``c + t``. The start-up probe measures ``overlap`` per link class.
 
 The first gather of the forward and of the backward cannot be prefetched (nothing runs before them), the root is
 gathered synchronously at the start of a micro-step, and the last reduce-scatters finish before the next micro-step
@@ -88,17 +94,24 @@ class Link:
     """Bytes per second one rank sends while every rank of the job communicates at once."""
     latency: float = 0.0
     """Seconds per step of a ring collective (alpha)."""
+    overlap: float = 1.0
+    """Share of a transfer's time that hides behind compute running at the same time: 1 where the transfer has
+    engines of its own (NVLink copy engines, NICs), 0 where it needs the processor the compute runs on for all its
+    time (TCP between processes sharing CPU cores), so compute and transfer add up. The start-up probe measures it."""
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise ValueError(f"Link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}.")
         if not self.latency >= 0:
             raise ValueError(f"Link latency must be >= 0 s, got {self.latency!r}.")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"Link overlap must be in [0, 1] (the share of a transfer hidden behind compute), got"
+                             f" {self.overlap!r}.")
 
     @classmethod
-    def gbit(cls, gbit_per_s: float, latency_us: float = 0.0) -> Link:
+    def gbit(cls, gbit_per_s: float, latency_us: float = 0.0, overlap: float = 1.0) -> Link:
         """A link of ``gbit_per_s`` Gbit/s per rank and ``latency_us`` microseconds per ring step."""
-        return cls(gbit_per_s * GBIT, latency_us * 1e-6)
+        return cls(gbit_per_s * GBIT, latency_us * 1e-6, overlap)
 
 
 UNUSED_LINK = Link(math.inf, 0.0)
@@ -338,17 +351,32 @@ def param_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tu
     return _phases(Phase("all_gather", "inter", cluster.num_groups, nbytes / cluster.group_size))  # G -> I
 
 
-def seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
-    """Time of one collective's phases: one after another, or pipelined chunk by chunk when they are an HO-Ring's
-    (module docstring)."""
+def _phase_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> tuple[float, list[tuple[Phase, float]]]:
+    """A collective's time (phases one after another, or an HO-Ring's pipelined chunk by chunk) and each phase's."""
     ho = [p for p in phases if p.hierarchical]
-    t = sum(p.seconds(cluster, max(1, math.ceil(p.nbytes / cluster.chunk_bytes))) for p in phases
-            if not p.hierarchical)
+    each = [(p, p.seconds(cluster, max(1, math.ceil(p.nbytes / cluster.chunk_bytes)))) for p in phases
+            if not p.hierarchical]
+    t = sum(s for _, s in each)
     if ho:
         chunks = max(1, math.ceil(max(p.nbytes for p in ho) / cluster.chunk_bytes))
         times = [p.seconds(cluster, chunks) for p in ho]
         t += max(times) + (sum(times) - max(times)) / chunks
-    return t
+        each += list(zip(ho, times))
+    return t, each
+
+
+def seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
+    """Time of one collective's phases: one after another, or pipelined chunk by chunk when they are an HO-Ring's
+    (module docstring)."""
+    return _phase_seconds(phases, cluster)[0]
+
+
+def processor_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
+    """The part of a collective's time that compute running beside it cannot use: each phase's time times one minus
+    its link's ``overlap``, at most the collective's time (0 on links with engines of their own)."""
+    t, each = _phase_seconds(phases, cluster)
+    link = {"intra": cluster.intra, "inter": cluster.inter}
+    return min(t, sum(s * (1.0 - link[p.scope].overlap) for p, s in each))
 
 
 CHUNK_CHOICES = tuple(2**k * 2**20 for k in range(1, 7))
@@ -486,10 +514,18 @@ def micro_step_seconds(spec: ShardingSpec, workload: Workload, cluster: Cluster,
     split = _split(workload)
     L = workload.num_units
     Lb = L if workload.backward_units is None else workload.backward_units
-    a = seconds(gather_phases(spec.params, split.unit_params, cluster), cluster)
+    gather = gather_phases(spec.params, split.unit_params, cluster)
     # the units' trainable parameters are spread over the units backward runs through
     unit_trainable = split.unit_trainable * L / Lb if Lb else 0.0
-    r = seconds(reduce_scatter_phases(spec.grads, unit_trainable, cluster), cluster)
+    reduce = reduce_scatter_phases(spec.grads, unit_trainable, cluster)
+    a, r = seconds(gather, cluster), seconds(reduce, cluster)
+    a_cpu, r_cpu = processor_seconds(gather, cluster), processor_seconds(reduce, cluster)
+
+    def beside(compute: float, comm: float, comm_cpu: float) -> float:
+        """Compute beside collectives on the communication thread: the longer of the two, and at least the compute
+        plus the part of the collectives it cannot run beside (the links' ``overlap``)."""
+        return max(compute + comm_cpu, comm)
+
     a_root = seconds(gather_phases(spec.params, split.root_params, cluster), cluster)
     r_root = seconds(reduce_scatter_phases(spec.grads, split.root_trainable, cluster), cluster)
     root = workload.root_fraction if L else 1.0
@@ -503,7 +539,7 @@ def micro_step_seconds(spec: ShardingSpec, workload: Workload, cluster: Cluster,
     elif prefetch <= 0:
         forward = L * (a + c_f)
     else:
-        forward = a + c_f + (L - 1) * max(c_f, a)
+        forward = a + c_f + (L - 1) * beside(c_f, a, a_cpu)
     if Lb == 0:
         backward = 0.0
     elif prefetch <= 0:
@@ -511,7 +547,8 @@ def micro_step_seconds(spec: ShardingSpec, workload: Workload, cluster: Cluster,
     elif Lb == 1:
         backward = a + c_b + r
     else:
-        backward = a + max(c_b, a) + (Lb - 2) * max(c_b, a + r) + max(c_b, r) + r
+        backward = (a + beside(c_b, a, a_cpu) + (Lb - 2) * beside(c_b, a + r, a_cpu + r_cpu)
+                    + beside(c_b, r, r_cpu) + r)
     return a_root + compute_seconds * root + forward + backward + r_root
 
 

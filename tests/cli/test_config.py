@@ -59,10 +59,11 @@ def test_every_paro_knob_is_overridable():
     assert s._timeout == timedelta(seconds=60)
     auto = build_strategy(load_config(["strategy=paro", "strategy.sharding=auto", "strategy.memory_budget=0.5",
                                        "strategy.micro_step_seconds=0.2", "strategy.intra_gbps=100",
-                                       "strategy.inter_gbps=10", *FOUR_CPUS]))
+                                       "strategy.inter_gbps=10", "strategy.intra_overlap=0.25", *FOUR_CPUS]))
     a = auto._auto_config
     assert a.memory_budget == 0.5 and a.micro_step_seconds == 0.2
     assert a.intra.bandwidth == 100e9 / 8 and a.inter.bandwidth == 10e9 / 8
+    assert a.intra.overlap == 0.25 and a.inter.overlap == 1.0
 
 
 def test_a_per_strategy_file_is_the_paro_config_with_its_sharding():
@@ -116,6 +117,7 @@ BAD = [
     (["model.trainable_blocks=5", "model.layers=4"], "model.trainable_blocks", "model.layers=4"),
     (["strategy.memory_budget=0"], "strategy.memory_budget", "share"),
     (["strategy.inter_gbps=10"], "strategy.intra_gbps", "both"),
+    (["strategy.inter_overlap=2"], "strategy.inter_overlap", "[0, 1]"),
     (["predict.format=csv"], "predict.format", "parquet"),
     (["strategy=hsdp", "strategy.group_size=3", "trainer.devices=4"], "strategy.group_size", "divide"),
     (["hydra.run.dir=outputs/x"], "hydra.run.dir", "run.dir"),

@@ -18,6 +18,7 @@ from lightning_paro.strategy.auto import (
     format_plan,
     memory_budget_bytes,
     optimizer_states_per_param,
+    overlap_from_times,
     plan,
     workload_from_module,
 )
@@ -82,6 +83,15 @@ def test_fit_link_recovers_alpha_and_beta():
     assert fitted.bandwidth == pytest.approx(2e9) and fitted.latency == pytest.approx(5e-5)
     noisy = fit_link(k, 4096, 1.0, 4 * 2**20, 0.5)  # large no slower than small: bandwidth from the large alone
     assert noisy.latency == 0 and noisy.bandwidth == pytest.approx(0.75 * 4 * 2**20 / 0.5)
+
+
+def test_overlap_from_times():
+    assert overlap_from_times(compute=1.0, comm=0.5, both=1.0) == 1.0  # the transfer hid completely
+    assert overlap_from_times(compute=1.0, comm=0.5, both=1.5) == 0.0  # the two added up
+    assert overlap_from_times(compute=1.0, comm=0.5, both=1.2) == pytest.approx(0.6)
+    assert overlap_from_times(compute=1.0, comm=0.5, both=2.0) == 0.0  # slowed each other further: clamped
+    assert overlap_from_times(compute=1.0, comm=0.5, both=0.9) == 1.0  # noise below the longer one: clamped
+    assert overlap_from_times(compute=0.0, comm=0.5, both=0.5) == 1.0  # nothing to hide behind
 
 
 def test_host_memory_is_shared_by_the_ranks_on_it(tmp_path):
@@ -219,7 +229,7 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
         assert r["measured_ho_factor"] == first["measured_ho_factor"]
     for scope in ("intra", "inter"):
         link = first["links"][scope]
-        assert 0 < link["bandwidth"] < math.inf and link["latency"] >= 0
+        assert 0 < link["bandwidth"] < math.inf and link["latency"] >= 0 and 0 <= link["overlap"] <= 1
     assert first["choice"] in VALID_STRATEGIES and first["measured_choice"] in VALID_STRATEGIES
     assert 0 < first["measured_factor"] < math.inf
     # 2 groups of 2: the probe timed a global (HO-Ring) all-gather against the links' prediction (clamped to 1/4..4)

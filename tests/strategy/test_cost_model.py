@@ -20,6 +20,7 @@ from lightning_paro.strategy.cost_model import (
     gather_phases,
     param_sync_phases,
     predict,
+    processor_seconds,
     reduce_scatter_phases,
     seconds,
 )
@@ -124,6 +125,39 @@ def test_compute_hides_prefetched_gathers_and_overlapped_reductions():
                           prefetch=0).terms
     # every gather and reduce-scatter of the units is exposed: L (a + a + r) = 2 * 2.4 ms
     assert no_prefetch.exposed_micro_comm == pytest.approx(2 * (0.4e-3 + 2 * 2.4e-3 + 0.4e-3))
+
+
+@pytest.mark.parametrize(("overlap", "exposed_ms"), [(1.0, 3.2), (0.5, 4.4), (0.0, 5.6)])
+def test_transfers_that_take_the_processor_add_to_compute(overlap, exposed_ms):
+    """IIG's per-micro-step traffic is all intra: 5.6 ms of it, of which 2.4 ms (a forward gather, a backward gather
+    and a reduce-scatter) run beside compute. A link whose transfers need the processor for ``1 - overlap`` of their
+    time hides only the rest; the inter link's overlap does not matter here."""
+    compute = Compute(micro_step_seconds=0.1, memory_bandwidth=1e9)
+    for inter_overlap in (0.0, 1.0):
+        cluster = dataclasses.replace(SMALL_CLUSTER, intra=Link(1e9, 0.0, overlap),
+                                      inter=Link(1e8, 1e-3, inter_overlap))
+        terms = predict("IIG", SMALL, cluster, compute).terms
+        assert terms.compute == pytest.approx(0.2)
+        assert terms.exposed_micro_comm == pytest.approx(2 * exposed_ms * 1e-3)
+    # no compute to hide behind: overlap changes nothing
+    cpu_bound = dataclasses.replace(SMALL_CLUSTER, intra=Link(1e9, 0.0, 0.0))
+    assert predict("IIG", SMALL, cpu_bound, NO_COMPUTE).terms == predict("IIG", SMALL, SMALL_CLUSTER, NO_COMPUTE).terms
+
+
+def test_processor_seconds_counts_each_phase_by_its_link():
+    # a global all-gather: inter phase over 2 groups, intra phase over 2 ranks, pipelined chunk by chunk
+    base = dataclasses.replace(SMALL_CLUSTER, chunk_bytes=math.inf)
+    phases = gather_phases(Level.G, 4e6, base)
+    inter_t, intra_t = (seconds((dataclasses.replace(p, hierarchical=False),), base) for p in phases)
+    assert processor_seconds(phases, base) == 0.0
+    only_intra = dataclasses.replace(base, intra=Link(1e9, 0.0, 0.0))
+    assert processor_seconds(phases, only_intra) == pytest.approx(intra_t)
+    half_inter = dataclasses.replace(base, inter=Link(1e8, 1e-3, 0.5))
+    assert processor_seconds(phases, half_inter) == pytest.approx(0.5 * inter_t)
+    everything = dataclasses.replace(base, intra=Link(1e9, 0.0, 0.0), inter=Link(1e8, 1e-3, 0.0))
+    assert processor_seconds(phases, everything) == pytest.approx(seconds(phases, everything))
+    with pytest.raises(ValueError, match=r"overlap must be in \[0, 1\]"):
+        Link(1e9, 0.0, 1.5)
 
 
 def test_ddp_and_zero3_by_hand():
