@@ -92,10 +92,13 @@ def _cell(value: Optional[float], fmt: str = "{:.1f}") -> str:
 def table(data: dict) -> str:
     rows = [r for r in data["rows"] if "error" not in r]
     ref = {r["system"]: r["tokens_per_s"] for r in rows if r["system"] in BASELINES}
+    repeated = any("runs" in r for r in rows)
     out = [f"### {title(data)}", "",
-           "| system | tokens/s | vs ddp | vs fsdp2 | step s | inter MB/step/rank | intra MB/step/rank |"
+           *(["Systems ran several times, pass by pass; each row is its run of median tokens/s, and 'runs' lists"
+              " them all.", ""] if repeated else []),
+           "| system | tokens/s" + (" | runs" if repeated else "") + " | vs ddp | vs fsdp2 | step s | inter MB/step/rank | intra MB/step/rank |"
            " node0 NIC MiB/step | model states MiB/rank | peak RSS MiB | final loss |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if repeated else "")]
     for r in rows:
         name = r["system"] + (f" (auto: {r['auto_choice']})" if r.get("auto_choice") else "")
         name += " (failed while exiting, after its report)" if r.get("exit_error") else ""
@@ -103,7 +106,9 @@ def table(data: dict) -> str:
         nic = r.get("nic_sent_mib_whole_run", {}).get("node0/eth0")
         tps = r["tokens_per_s"]
         out.append(
-            f"| {name} | {tps:.1f} | {_cell(tps / ref['ddp'] if 'ddp' in ref else None, '{:.2f}x')}"
+            f"| {name} | {tps:.1f}"
+            + (" | " + ", ".join(f"{x['tokens_per_s']:.0f}" for x in r.get("runs", [r])) if repeated else "")
+            + f" | {_cell(tps / ref['ddp'] if 'ddp' in ref else None, '{:.2f}x')}"
             f" | {_cell(tps / ref['fsdp2'] if 'fsdp2' in ref else None, '{:.2f}x')} | {r['step_seconds']:.2f}"
             f" | {_cell(r['inter_bytes_per_step'] / 1e6 if 'inter_bytes_per_step' in r else None)}"
             f" | {_cell(r['intra_bytes_per_step'] / 1e6 if 'intra_bytes_per_step' in r else None)}"
