@@ -225,7 +225,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                             optim_bytes=args.optim_bytes if args.optim_bytes is not None else kb,
                             activation_bytes_per_token=args.activation_bytes_per_token)
         cluster = Cluster(n, m, Link.gbit(args.intra_gbps, args.intra_latency_us, args.intra_overlap),
-                          Link.gbit(inter_gbps, args.inter_latency_us, args.inter_overlap), args.device_memory_gib * GIB)
+                          Link.gbit(inter_gbps, args.inter_latency_us, args.inter_overlap),
+                          args.device_memory_gib * GIB)
         chunk = args.chunk_mib * 2**20 if args.chunk_mib is not None else fastest_chunk_bytes(workload, cluster)
         cluster = dataclasses.replace(cluster, chunk_bytes=chunk)
         compute = Compute(micro_step_seconds=args.micro_step_seconds,

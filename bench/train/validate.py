@@ -160,7 +160,10 @@ def probed_links(data: dict, settings: dict[str, dict]) -> tuple[dict, int]:
 def check(name: str, data: dict, settings: dict[str, dict], bandwidths: dict[int, float]) -> dict:
     rows = {r["system"]: r for r in data["rows"] if "error" not in r}
     auto, probes = probed_links(data, settings)
-    link = lambda kind: Link(auto[f"{kind}_bytes_per_s"], auto[f"{kind}_latency_s"], auto[f"{kind}_overlap"])  # noqa: E731
+
+    def link(kind: str) -> Link:
+        return Link(auto[f"{kind}_bytes_per_s"], auto[f"{kind}_latency_s"], auto[f"{kind}_overlap"])
+
     cluster = Cluster(data["nodes"] * data["ranks_per_node"], data["ranks_per_node"], link("intra"), link("inter"),
                       device_memory=1e12, reduce_scatter_factor=auto["reduce_scatter_factor"],
                       hierarchical_factor=auto.get("hierarchical_factor", 1.0))
