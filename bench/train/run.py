@@ -116,8 +116,7 @@ def main() -> None:
         path = RESULTS / f"{name}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         rows = {r["system"]: r for r in old.get("rows", []) if "error" not in r}
-        passes = [(p, system) for p in range(max(1, args.more)) for system in args.systems.split(",")]
-        for _, system in passes:
+        for system in args.systems.split(",") * max(1, args.more):  # --more: pass after pass over the systems
             if system in rows and not (args.redo or args.more):
                 continue
             row = run_one(system, s, Path("/tmp") / "paro-train-bench" / name / system)

@@ -4,9 +4,8 @@ every setting, and whether the predicted ranking matches the measured one.
 The model's inputs are measured in the same benchmark, never fitted to its step times:
 
 * links (alpha, beta and overlap with compute per link class), gloo's reduce-scatter factor and the HO-Ring factor:
-  the start-up probes of
-  the ``sharding="auto"`` runs on the same emulated cluster (nodes, ranks per node, NIC rate), the median of each
-  figure (one probe on a busy 2-core machine varies by tens of percent);
+  the start-up probes of the ``sharding="auto"`` runs on the same emulated cluster (nodes, ranks per node, NIC
+  rate), the median of each figure (one probe on a busy 2-core machine varies by tens of percent);
 * compute per micro-step: the median micro-batch of the ``ddp`` run that ends no optimizer step (DDP's ``no_sync``:
   no communication) at the same number of processes and trainable parameters; settings at
   accumulate_grad_batches=1 have none and take the A=4 setting's figure, on the same cluster where there is one;
@@ -209,14 +208,15 @@ def markdown(results: list[dict]) -> str:
            " 'probes'), compute per micro-step from the ddp run's communication-free micro-batches, the update's"
            " memory bandwidth from AdamW steps timed here in as many processes at once as the setting has ranks."
            f" Tolerance {TOLERANCE:.0%}.", "",
-           "| setting | compute s/micro | update GB/s | probes | intra Gbit/s | inter Gbit/s | overlap intra, inter | RS factor |"
-           " HO-Ring factor | within 25% | max error | Spearman |"
+           "| setting | compute s/micro | update GB/s | probes | intra Gbit/s | inter Gbit/s | overlap intra, inter"
+           " | RS factor | HO-Ring factor | within 25% | max error | Spearman |"
            " pairs ordered right (>10% apart) | best measured | best predicted (its measured s / best s) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = r["predicted_best_measured_s"] / r["measured_s"][r["best_measured"]]
-        out.append(f"| {r['setting']} | {r['compute_s']:.3f} | {r['update_gb_per_s']:.2f} | {r['probes']} | {r['intra_gbit']:.2f} | {r['inter_gbit']:.3f}"
-                   f" | {r['intra_overlap']:.2f}, {r['inter_overlap']:.2f} | {r['reduce_scatter_factor']:.2f} | {r['hierarchical_factor']:.2f}"
+        out.append(f"| {r['setting']} | {r['compute_s']:.3f} | {r['update_gb_per_s']:.2f} | {r['probes']}"
+                   f" | {r['intra_gbit']:.2f} | {r['inter_gbit']:.3f} | {r['intra_overlap']:.2f}, {r['inter_overlap']:.2f}"
+                   f" | {r['reduce_scatter_factor']:.2f} | {r['hierarchical_factor']:.2f}"
                    f" | {r['within_tolerance']}/{r['strategies']} | {r['max_abs_error']:.0%} | {r['spearman']:.2f}"
                    f" | {r['pairs_agree']}/{r['pairs']} | {r['best_measured']} | {r['best_predicted']} ({ratio:.2f}) |")
     for r in results:
