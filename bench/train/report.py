@@ -97,7 +97,8 @@ def table(data: dict) -> str:
            *(["Systems ran several times, pass by pass; each row is its run of median tokens/s, and 'runs' lists"
               " them all.", ""] if repeated else []),
            "| system | tokens/s" + (" | runs" if repeated else "") + " | vs ddp | vs fsdp2 | step s"
-           " | inter MB/step/rank | intra MB/step/rank | node0 NIC MiB/step | model states MiB/rank | peak RSS MiB | final loss |",
+           " | inter MB/step/rank | intra MB/step/rank | node0 NIC MiB/step | model states MiB/rank | peak RSS MiB"
+           " | final loss |",
            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if repeated else "")]
     for r in rows:
         name = r["system"] + (f" (auto: {r['auto_choice']})" if r.get("auto_choice") else "")

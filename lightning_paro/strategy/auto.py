@@ -250,8 +250,9 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     ``OVERLAP_WINDOW_S`` or more: matmuls sized to last as long as a run of large all-gathers, alone, then beside
     the same all-gathers issued on the engine's communication thread (:func:`overlap_from_times`). With several
     groups of several ranks, one more all-gather of ``global_bytes`` (default: 4 x ``large_bytes``, enough chunks for
-    the pipeline to fill) over the whole world runs as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks), and its time over the links' prediction is the
-    ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
+    the pipeline to fill) over the whole world runs as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks),
+    and its time over the links' prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its
+    own.
     """
     import torch
     import torch.distributed as dist
