@@ -308,8 +308,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
             slowest_gather = torch.tensor([times[-2]], dtype=torch.float64, device=device)
             dist.all_reduce(slowest_gather, op=dist.ReduceOp.MAX, group=world)
             count = min(64, max(repeats, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather.item(), 1e-9))))
-            compute = _matmuls(device, count * times[-2])
-            compute()  # warm-up
+            compute = _matmuls(device, count * times[-2])  # warmed up while it sizes itself
             dist.barrier(group=world)  # every rank computes at once, as in training
             started = time.perf_counter()
             compute()

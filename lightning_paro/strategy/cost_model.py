@@ -374,9 +374,14 @@ def seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
 def processor_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
     """The part of a collective's time that compute running beside it cannot use: each phase's time times one minus
     its link's ``overlap``, at most the collective's time (0 on links with engines of their own)."""
+    return _seconds_and_processor_seconds(phases, cluster)[1]
+
+
+def _seconds_and_processor_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> tuple[float, float]:
+    """:func:`seconds` and :func:`processor_seconds` of one collective, its phases timed once."""
     t, each = _phase_seconds(phases, cluster)
     link = {"intra": cluster.intra, "inter": cluster.inter}
-    return min(t, sum(s * (1.0 - link[p.scope].overlap) for p, s in each))
+    return t, min(t, sum(s * (1.0 - link[p.scope].overlap) for p, s in each))
 
 
 CHUNK_CHOICES = tuple(2**k * 2**20 for k in range(1, 7))
@@ -518,8 +523,8 @@ def micro_step_seconds(spec: ShardingSpec, workload: Workload, cluster: Cluster,
     # the units' trainable parameters are spread over the units backward runs through
     unit_trainable = split.unit_trainable * L / Lb if Lb else 0.0
     reduce = reduce_scatter_phases(spec.grads, unit_trainable, cluster)
-    a, r = seconds(gather, cluster), seconds(reduce, cluster)
-    a_cpu, r_cpu = processor_seconds(gather, cluster), processor_seconds(reduce, cluster)
+    a, a_cpu = _seconds_and_processor_seconds(gather, cluster)
+    r, r_cpu = _seconds_and_processor_seconds(reduce, cluster)
 
     def beside(compute: float, comm: float, comm_cpu: float) -> float:
         """Compute beside collectives on the communication thread: the longer of the two, and at least the compute
