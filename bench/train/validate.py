@@ -5,9 +5,13 @@ The model's inputs are measured in the same benchmark, never fitted to its step 
 
 * links (alpha, beta and overlap with compute per link class), gloo's reduce-scatter factor and the HO-Ring factor:
   the start-up probes of the ``sharding="auto"`` runs on the same emulated cluster (nodes, ranks per node, NIC
-  rate), the median of each figure (one probe on a busy 2-core machine varies by tens of percent);
-* compute per micro-step: the median micro-batch of the ``ddp`` run that ends no optimizer step (DDP's ``no_sync``:
-  no communication) at the same number of processes and trainable parameters; settings at
+  rate), the median of each figure (one probe on a busy 2-core machine varies by tens of percent). Probes taken
+  inside the training runs, as ``sharding="auto"`` takes them: the probe alone in fresh processes on the same
+  cluster read the intra-group bandwidth about 1.5 times higher;
+* compute per micro-step: the mean micro-batch, over every rank, of the ``ddp`` run that ends no optimizer step
+  (DDP's ``no_sync``: no communication) at the same number of processes and trainable parameters, the median over
+  the system's runs. The mean, not the median: with more ranks than cores a rank gets a core to itself in most
+  micro-batches and waits for the others' compute in a few, and the step time holds all of them. Settings at
   accumulate_grad_batches=1 have none and take the A=4 setting's figure, on the same cluster where there is one;
 * the optimizer update's memory bandwidth: AdamW steps over the model, timed here in as many processes at once as the
   setting has ranks (they share this machine's cores and memory in the benchmark too), one thread each;
@@ -102,16 +106,25 @@ def _one_round(processes: int) -> list[float]:
     return figures
 
 
+def _ddp_micro_step(data: dict) -> float | None:
+    """The ddp system's compute per micro-step in one setting: over its runs, the median of each run's mean
+    communication-free micro-batch (every rank's)."""
+    row = next((r for r in data["rows"] if r["system"] == "ddp"), {})
+    means = [run["accumulating_micro_step_mean_s"] for run in row.get("runs", [row])
+             if run.get("accumulating_micro_step_mean_s")]
+    return statistics.median(means) if means else None
+
+
 def compute_seconds(name: str, data: dict, settings: dict[str, dict]) -> tuple[float, str]:
     """Compute time of one micro-step and where it came from."""
-    own = next((r for r in data["rows"] if r["system"] == "ddp"), {}).get("accumulating_micro_step_s")
+    own = _ddp_micro_step(data)
     if own:
         return own, name
     same_cluster_first = sorted(settings.items(), key=lambda item: item[1]["mbit"] != data["mbit"])
     for other, d in same_cluster_first:
         same = (d["nodes"], d["ranks_per_node"], d.get("trainable_blocks")) == (
             data["nodes"], data["ranks_per_node"], data.get("trainable_blocks"))
-        value = next((r for r in d["rows"] if r["system"] == "ddp"), {}).get("accumulating_micro_step_s")
+        value = _ddp_micro_step(d)
         if same and value:
             return value, other
     raise LookupError(f"{name}: no ddp run with accumulation > 1 at this size measured compute time")

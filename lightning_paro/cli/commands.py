@@ -7,6 +7,7 @@ whichever way the processes were started: Lightning's subprocess launcher, spawn
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -224,7 +225,9 @@ class StepTimer(L.Callback):
         self.batch_started = (0, 0.0)
         self.accumulating: list[float] = []
         """Durations of timed micro-batches that did not end an accumulation window: with DDP (no_sync) these do no
-        communication, so they measure one micro-step's compute under the same load."""
+        communication, so they measure one micro-step's compute under the same load. The report gives rank 0's
+        median and the mean over every rank: where ranks share cores, a rank waits for the others' compute in a few
+        of its micro-batches, which the median leaves out and the step time does not."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.marks[0] = time.perf_counter()
@@ -243,7 +246,8 @@ class StepTimer(L.Callback):
         per = self.cfg.trainer.accumulate_grad_batches
         micro = list(getattr(pl_module, "step_losses", []))[-per:]
         states = model_state_bytes(trainer.strategy, pl_module, trainer.optimizers)
-        local = torch.tensor([sum(micro) / max(len(micro), 1), peak_rss_bytes(), sum(states.values())],
+        accumulating = statistics.fmean(self.accumulating) if self.accumulating else math.nan
+        local = torch.tensor([sum(micro) / max(len(micro), 1), peak_rss_bytes(), sum(states.values()), accumulating],
                              dtype=torch.float64)
         ranks = gather_rows(local, trainer.world_size)  # collective: every rank takes part
         if not trainer.is_global_zero:
@@ -260,6 +264,8 @@ class StepTimer(L.Callback):
             "step_seconds": round(seconds / steps, 4) if steps > 0 else None,
             "accumulating_micro_step_s": (round(statistics.median(self.accumulating), 5) if self.accumulating
                                           else None),
+            "accumulating_micro_step_mean_s": (round(float(ranks[:, 3].mean()), 5) if self.accumulating
+                                               else None),
             "final_loss": float(ranks[:, 0].mean()),
             "peak_rss_bytes_max_rank": int(ranks[:, 1].max()),
             "model_state_bytes_max_rank": int(ranks[:, 2].max()),

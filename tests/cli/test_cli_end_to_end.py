@@ -97,6 +97,7 @@ def test_bench_with_the_spawn_start_method(tmp_path):
     assert states["grads"] < states["params"] / 2 and result["model_state_bytes_max_rank"] >= sum(states.values())
     assert math.isfinite(result["final_loss"]) and result["peak_rss_bytes_max_rank"] > 50 * 2**20
     assert result["accumulating_micro_step_s"] > 0  # accumulation 2: one micro-batch per step does no step
+    assert result["accumulating_micro_step_mean_s"] > 0
     assert "tokens/s" in bench.stdout
 
 
