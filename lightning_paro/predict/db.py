@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -182,11 +184,31 @@ def _connect_sqlite(path: str, timeout_s: float) -> sqlite3.Connection:
     return _SqliteAutocommitShim(conn)
 
 
+_open_sqlite: weakref.WeakSet = weakref.WeakSet()
+"""The SQLite connections of this process (through their shims)."""
+_inherited_sqlite: list = []
+"""In a forked child: the parent's SQLite connections, kept so that they are never freed here."""
+
+
+def _keep_inherited_sqlite() -> None:
+    """After a fork, in the child (a DataLoader worker, say): never free the parent's SQLite connections.
+
+    Another thread of the parent (a heartbeat, a writer) may have been inside SQLite at the fork and held one of its
+    mutexes; the child inherits the mutex locked and no thread to unlock it, so freeing the inherited connection when
+    the child collects garbage would wait forever. The child never uses them; the parent's copies are untouched.
+    """
+    _inherited_sqlite.extend(shim._conn for shim in list(_open_sqlite))
+
+
+os.register_at_fork(after_in_child=_keep_inherited_sqlite)
+
+
 class _SqliteAutocommitShim:
     """Gives the autocommit-mode sqlite3 connection the commit/rollback interface of a DB-API driver."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
+        _open_sqlite.add(self)
 
     def cursor(self) -> sqlite3.Cursor:
         return self._conn.cursor()

@@ -186,3 +186,37 @@ def test_redact_url_hides_passwords():
     assert redact_url("postgresql://u:pw@h:5/db") == "postgresql://u:***@h:5/db"
     assert redact_url("postgresql://h/db?password=pw&x=1") == "postgresql://h/db?password=***&x=1"
     assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_keeps_the_parents_sqlite_connections(tmp_path):
+    """A DataLoader worker forks while another thread (the heartbeat) may be inside SQLite and hold its mutex: the
+    child must never free the inherited connection (that would wait on the mutex forever), so it keeps a reference."""
+    import gc
+    import os
+    import time
+
+    from lightning_paro.predict import db as db_module
+
+    db = db_module.Database(str(tmp_path / "ledger.sqlite"))
+    inherited = db._conn._conn
+    pid = os.fork()
+    if pid == 0:  # the child: drop its own references, collect, and report whether the connection is still held
+        kept = any(c is inherited for c in db_module._inherited_sqlite)
+        del db, inherited
+        gc.collect()
+        os._exit(0 if kept else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        status = None
+    assert status == 0, "the forked child did not keep the parent's SQLite connection"
+    assert not any(c is inherited for c in db_module._inherited_sqlite)  # the parent's own list stays empty
+    db.close()
