@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,10 @@ GB = 1e9
 
 OVERLAP_WINDOW_S = 0.25
 """The probe times a link's overlap with compute over at least this long (at most 64 large all-gathers)."""
+
+OVERLAP_REPEATS = 3
+"""Timings of a link's overlap with compute; the probe takes their median (one varies by tens of percent on a
+machine whose processors the ranks share)."""
 
 
 # ---------------------------------------------------------------------------------------------------------- the plan
@@ -216,26 +221,44 @@ def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: 
     return Link(share * large_bytes / max(large_seconds, 1e-9), 0.0)
 
 
-def _matmuls(device, seconds_wanted: float):
-    """A compute loop of square matmuls that takes about ``seconds_wanted`` on this rank, as a callable."""
+def _matmuls(device, seconds_wanted: float, group=None):
+    """A compute loop of square matmuls that takes about ``seconds_wanted``, as a callable.
+
+    With ``group`` (collective: call on every rank of it), the loop is sized to last that long while every rank of the
+    group runs it at once, the slowest rank's time counting: ranks that share processors (CPU processes on one
+    machine) each compute slower together than alone, and an overlap timed against compute much longer than the
+    transfers it hides reads mostly noise.
+    """
     import torch
+    import torch.distributed as dist
 
     size = 1024 if device.type == "cuda" else 192
     x = torch.randn(size, size, device=device)
     y = torch.empty_like(x)
-    torch.mm(x, x, out=y)  # warm-up
-    _synchronize(device)
-    started = time.perf_counter()
-    for _ in range(4):
-        torch.mm(x, x, out=y)
-    _synchronize(device)
-    one = max((time.perf_counter() - started) / 4, 1e-7)
-    count = max(1, round(seconds_wanted / one))
 
-    def run() -> None:
+    def loop(count: int) -> float:
+        _synchronize(device)
+        started = time.perf_counter()
         for _ in range(count):
             torch.mm(x, x, out=y)
         _synchronize(device)
+        return time.perf_counter() - started
+
+    loop(1)  # warm-up
+    one = max(loop(4) / 4, 1e-7)
+    count = max(1, round(seconds_wanted / one))
+    if group is not None:
+        # one count for every rank: the largest, then scaled by how long it took with all of them at once
+        figures = torch.tensor([float(count)], dtype=torch.float64, device=device)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+        count = int(figures[0].item())
+        dist.barrier(group=group)
+        figures = torch.tensor([loop(count)], dtype=torch.float64, device=device)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+        count = max(1, round(count * seconds_wanted / max(figures.item(), 1e-9)))
+
+    def run() -> None:
+        loop(count)
 
     return run
 
@@ -246,9 +269,10 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
 
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
     every rank communicates. Each size is gathered once to warm up, then ``repeats`` times; a rank's time is the
-    mean, and the slowest rank's time counts. A link's ``overlap`` comes from two more timings, over
-    ``OVERLAP_WINDOW_S`` or more: matmuls sized to last as long as a run of large all-gathers, alone, then beside
-    the same all-gathers issued on the engine's communication thread (:func:`overlap_from_times`). With several
+    mean, and the slowest rank's time counts. A link's ``overlap`` is the median of ``OVERLAP_REPEATS`` readings of
+    :func:`overlap_from_times`, each from three timings over ``OVERLAP_WINDOW_S`` or more, every rank at once: a run
+    of large all-gathers issued on the engine's communication thread, matmuls sized to last as long while every rank
+    computes, and the two together. With several
     groups of several ranks, one more all-gather of ``global_bytes`` (default: 4 x ``large_bytes``, enough chunks for
     the pipeline to fill) over the whole world runs as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks),
     and its time over the links' prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its
@@ -280,19 +304,22 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         return (time.perf_counter() - start) / repeats
 
     def beside(compute, count: int) -> float:
-        """Seconds until ``count`` all-gathers issued on the communication thread and ``compute`` are both done."""
+        """Seconds until ``count`` all-gathers issued on the communication thread (none: 0) and ``compute`` (None:
+        nothing) are all done, every rank starting at once."""
         _synchronize(device)
         dist.barrier(group=world)
         start = time.perf_counter()
         handles = [comm.all_gather(out, shard, scope, async_op=True) for _ in range(count)]
-        compute()
+        if compute is not None:
+            compute()
         for handle in handles:
             handle.wait()
         _synchronize(device)
         return time.perf_counter() - start
 
-    per_scope = 5
-    times = []  # per scope: small all-gather, large all-gather, large reduce-scatter, compute, compute beside gathers
+    per_scope = 3 + 3 * OVERLAP_REPEATS
+    times = []  # per scope: small all-gather, large all-gather, large reduce-scatter, then per overlap reading:
+    #             gathers alone, compute alone, the two together (per gather)
     try:
         for scope, k in scopes:
             if k == 1:
@@ -307,13 +334,11 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
             # overlap: enough large gathers (the same number on every rank) to fill OVERLAP_WINDOW_S
             slowest_gather = torch.tensor([times[-2]], dtype=torch.float64, device=device)
             dist.all_reduce(slowest_gather, op=dist.ReduceOp.MAX, group=world)
-            count = min(64, max(repeats, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather.item(), 1e-9))))
-            compute = _matmuls(device, count * times[-2])  # warmed up while it sizes itself
-            dist.barrier(group=world)  # every rank computes at once, as in training
-            started = time.perf_counter()
-            compute()
-            times.append((time.perf_counter() - started) / count)  # per gather, like the large gather's time
-            times.append(beside(compute, count) / count)
+            count = min(64, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather.item(), 1e-9)))
+            # as long as the gathers while every rank computes (the same loop on every rank)
+            compute = _matmuls(device, count * slowest_gather.item(), group=world)
+            for _ in range(OVERLAP_REPEATS):
+                times += [beside(None, count) / count, beside(compute, 0) / count, beside(compute, count) / count]
         if hierarchical:
             out = torch.empty(global_elems, dtype=torch.float32, device=device)
             shard = torch.ones(global_elems // topology.world_size, dtype=torch.float32, device=device)
@@ -329,8 +354,9 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
             links.append(UNUSED_LINK)
             continue
         elems_small, elems_large = (max(1, b // (4 * k)) * k for b in (small_bytes, large_bytes))
-        small, large, reduce, compute, both = t[per_scope * i:per_scope * (i + 1)]
-        overlap = overlap_from_times(compute, large, both)
+        small, large, reduce, *readings = t[per_scope * i:per_scope * (i + 1)]
+        overlap = statistics.median(overlap_from_times(compute, gathers, both)
+                                    for gathers, compute, both in zip(*[iter(readings)] * 3))
         links.append(dataclasses.replace(fit_link(k, 4 * elems_small, small, 4 * elems_large, large), overlap=overlap))
         if scope == "intra":  # the backend's collective; rail ones are point to point at the ideal volume
             factors.append(reduce / large if large > 0 else 1.0)
