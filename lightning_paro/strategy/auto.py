@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from lightning_paro.strategy.cost_model import (
     UNUSED_LINK,
@@ -221,46 +221,52 @@ def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: 
     return Link(share * large_bytes / max(large_seconds, 1e-9), 0.0)
 
 
-def _matmuls(device, seconds_wanted: float, group=None):
-    """A compute loop of square matmuls that takes about ``seconds_wanted``, as a callable.
+@dataclass(frozen=True)
+class _MatmulLoop:
+    """The probe's stand-in for compute: ``count`` square matmuls; calling it runs them and returns the seconds."""
 
-    With ``group`` (collective: call on every rank of it), the loop is sized to last that long while every rank of the
-    group runs it at once, the slowest rank's time counting: ranks that share processors (CPU processes on one
-    machine) each compute slower together than alone, and an overlap timed against compute much longer than the
-    transfers it hides reads mostly noise.
+    x: Any
+    y: Any
+    count: int
+
+    def __call__(self) -> float:
+        import torch
+
+        _synchronize(self.x.device)
+        started = time.perf_counter()
+        for _ in range(self.count):
+            torch.mm(self.x, self.x, out=self.y)
+        _synchronize(self.x.device)
+        return time.perf_counter() - started
+
+
+def _matmuls(device, seconds_wanted: float, group=None) -> _MatmulLoop:
+    """A compute loop of square matmuls that takes about ``seconds_wanted``.
+
+    With ``group`` (collective: call on every rank of it), every rank gets the same loop, sized to last that long
+    while every rank of the group runs it at once, the slowest rank's time counting: ranks that share processors (CPU
+    processes on one machine) each compute slower together than alone, and an overlap timed against compute much
+    longer than the transfers it hides reads mostly noise.
     """
     import torch
     import torch.distributed as dist
 
     size = 1024 if device.type == "cuda" else 192
     x = torch.randn(size, size, device=device)
-    y = torch.empty_like(x)
-
-    def loop(count: int) -> float:
-        _synchronize(device)
-        started = time.perf_counter()
-        for _ in range(count):
-            torch.mm(x, x, out=y)
-        _synchronize(device)
-        return time.perf_counter() - started
-
-    loop(1)  # warm-up
-    one = max(loop(4) / 4, 1e-7)
-    count = max(1, round(seconds_wanted / one))
+    loop = _MatmulLoop(x, torch.empty_like(x), 1)
+    loop()  # warm-up
+    one = max(dataclasses.replace(loop, count=4)() / 4, 1e-7)
+    loop = dataclasses.replace(loop, count=max(1, round(seconds_wanted / one)))
     if group is not None:
         # one count for every rank: the largest, then scaled by how long it took with all of them at once
-        figures = torch.tensor([float(count)], dtype=torch.float64, device=device)
+        figures = torch.tensor([float(loop.count)], dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
-        count = int(figures[0].item())
+        loop = dataclasses.replace(loop, count=int(figures.item()))
         dist.barrier(group=group)
-        figures = torch.tensor([loop(count)], dtype=torch.float64, device=device)
+        figures = torch.tensor([loop()], dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
-        count = max(1, round(count * seconds_wanted / max(figures.item(), 1e-9)))
-
-    def run() -> None:
-        loop(count)
-
-    return run
+        loop = dataclasses.replace(loop, count=max(1, round(loop.count * seconds_wanted / max(figures.item(), 1e-9))))
+    return loop
 
 
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,

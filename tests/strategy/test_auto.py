@@ -227,6 +227,8 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
         assert r["measured_choice"] == first["measured_choice"]
         assert r["measured_factor"] == first["measured_factor"]
         assert r["measured_ho_factor"] == first["measured_ho_factor"]
+        # the overlap probe's compute is one loop on every rank, sized with every rank computing at once
+        assert r["compute_loop"] == first["compute_loop"] >= 1
     for scope in ("intra", "inter"):
         link = first["links"][scope]
         assert 0 < link["bandwidth"] < math.inf and link["latency"] >= 0 and 0 <= link["overlap"] <= 1

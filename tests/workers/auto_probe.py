@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_paro.comm.topology import Topology
-from lightning_paro.strategy.auto import AutoConfig, plan_for_job, probe_links
+from lightning_paro.strategy.auto import AutoConfig, _matmuls, plan_for_job, probe_links
 
 
 class Block(nn.Module):
@@ -33,6 +33,7 @@ def main() -> None:
     start = time.perf_counter()
     links = probe_links(topo)
     probe_seconds = time.perf_counter() - start
+    compute_loop = _matmuls(torch.device("cpu"), 0.05, group=dist.group.WORLD)
     model = nn.Sequential(nn.Embedding(100, 64), *(Block() for _ in range(3)), nn.Linear(64, 100))
     model[-1].requires_grad_(False)
     opt = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
@@ -41,7 +42,7 @@ def main() -> None:
     measured = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
     dist.barrier()
     (out / f"{topo.rank}.json").write_text(json.dumps({
-        "links": dataclasses.asdict(links), "probe_seconds": probe_seconds,
+        "links": dataclasses.asdict(links), "probe_seconds": probe_seconds, "compute_loop": compute_loop.count,
         "measured_factor": measured.cluster.reduce_scatter_factor,
         "measured_ho_factor": measured.cluster.hierarchical_factor,
         "choice": result.choice, "budget": result.budget_bytes, "memory": result.cluster.device_memory,
