@@ -240,13 +240,13 @@ class _MatmulLoop:
         return time.perf_counter() - started
 
 
-def _matmuls(device, seconds_wanted: float, group=None) -> _MatmulLoop:
-    """A compute loop of square matmuls that takes about ``seconds_wanted``.
+def _matmuls(device, seconds_wanted: float, group) -> _MatmulLoop:
+    """A compute loop of square matmuls that takes about ``seconds_wanted`` while every rank of ``group`` runs it at
+    once, the slowest rank's time counting; the same loop on every rank (collective: call on every rank of ``group``).
 
-    With ``group`` (collective: call on every rank of it), every rank gets the same loop, sized to last that long
-    while every rank of the group runs it at once, the slowest rank's time counting: ranks that share processors (CPU
-    processes on one machine) each compute slower together than alone, and an overlap timed against compute much
-    longer than the transfers it hides reads mostly noise.
+    Sized together, not on one rank alone: ranks that share processors (CPU processes on one machine) each compute
+    slower together than alone, and an overlap timed against compute much longer than the transfers it hides reads
+    mostly noise.
     """
     import torch
     import torch.distributed as dist
@@ -256,17 +256,14 @@ def _matmuls(device, seconds_wanted: float, group=None) -> _MatmulLoop:
     loop = _MatmulLoop(x, torch.empty_like(x), 1)
     loop()  # warm-up
     one = max(dataclasses.replace(loop, count=4)() / 4, 1e-7)
-    loop = dataclasses.replace(loop, count=max(1, round(seconds_wanted / one)))
-    if group is not None:
-        # one count for every rank: the largest, then scaled by how long it took with all of them at once
-        figures = torch.tensor([float(loop.count)], dtype=torch.float64, device=device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
-        loop = dataclasses.replace(loop, count=int(figures.item()))
-        dist.barrier(group=group)
-        figures = torch.tensor([loop()], dtype=torch.float64, device=device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
-        loop = dataclasses.replace(loop, count=max(1, round(loop.count * seconds_wanted / max(figures.item(), 1e-9))))
-    return loop
+    # one count for every rank: the largest first guess, then scaled by how long it took with all of them at once
+    figure = torch.tensor([float(max(1, round(seconds_wanted / one)))], dtype=torch.float64, device=device)
+    dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)
+    loop = dataclasses.replace(loop, count=int(figure.item()))
+    dist.barrier(group=group)
+    figure = torch.tensor([loop()], dtype=torch.float64, device=device)
+    dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)
+    return dataclasses.replace(loop, count=max(1, round(loop.count * seconds_wanted / max(figure.item(), 1e-9))))
 
 
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
