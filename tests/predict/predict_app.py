@@ -180,10 +180,12 @@ if __name__ == "__main__":
     spec = JobSpec(output_dir=sys.argv[1], rows=int(sys.argv[2]), step_sleep_s=0.01, lease_ttl_s=1.0,
                    worker_name=f"rank{os.environ.get('RANK')}-try{os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
     if len(sys.argv) > 3 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-        # first attempt: all ranks start together, then rank CRASH_RANK dies after its second shard
-        ready = [f"{sys.argv[1]}.rank{r}.ready" for r in range(int(os.environ["WORLD_SIZE"]))]
-        spec.start_barrier = (ready[int(os.environ["RANK"])], tuple(ready))
+        # first attempt: rank CRASH_RANK commits one shard and dies after publishing its second; the other ranks
+        # wait for that death, as one of them could otherwise finish the whole job first and skip the crash
+        died = f"{sys.argv[1]}.rank{sys.argv[3]}.died"
         if os.environ.get("RANK") == sys.argv[3]:
-            spec.crash_after_publishes = 2
+            spec.crash_after_publishes, spec.crash_marker = 2, died
+        else:
+            spec.start_barrier = (f"{sys.argv[1]}.rank{os.environ['RANK']}.ready", (died,))
     callback = run_job(spec)
     print(f"worker {spec.worker_name} committed={callback.run.writer.shards_committed}", flush=True)
