@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,8 +174,9 @@ def _connect_sqlite(path: str, timeout_s: float) -> sqlite3.Connection:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: transactions are opened explicitly with BEGIN IMMEDIATE
-        conn = sqlite3.connect(str(file), timeout=max(timeout_s, 30.0), isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
+        timeout_s = max(timeout_s, 30.0)
+        conn = sqlite3.connect(str(file), timeout=timeout_s, isolation_level=None, check_same_thread=False)
+        _enable_wal(conn, timeout_s)
         conn.execute("PRAGMA synchronous=FULL")
     except (sqlite3.Error, OSError) as exc:
         raise LedgerUnavailableError(
@@ -182,6 +184,31 @@ def _connect_sqlite(path: str, timeout_s: float) -> sqlite3.Connection:
             "disk next to the output; pass ledger='postgresql://...' when workers run on several machines."
         ) from exc
     return _SqliteAutocommitShim(conn)
+
+
+def _enable_wal(conn: sqlite3.Connection, timeout_s: float) -> None:
+    """Puts the ledger file in write-ahead-log mode, waiting for peers that are opening it at the same moment.
+
+    Switching the journal mode needs an exclusive lock. When another connection holds a write lock on a file
+    still in rollback mode (a worker creating the fresh ledger's tables), SQLite answers "database is locked"
+    at once instead of calling its busy handler, so the wait is done here.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause_s = 0.005
+    while True:
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() == "wal":
+                return
+            problem = f"the file stayed in journal mode {mode!r}"
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc).lower() and "busy" not in str(exc).lower():
+                raise
+            problem = str(exc)
+        if time.monotonic() >= deadline:
+            raise sqlite3.OperationalError(f"cannot switch to write-ahead logging after {timeout_s:.0f} s: {problem}")
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, 0.2)
 
 
 _open_sqlite: weakref.WeakSet = weakref.WeakSet()

@@ -70,7 +70,8 @@ def check_output_dir(output_dir: Path) -> None:
             f.write(b"ok")
             f.flush()
             os.fsync(f.fileno())
-        probe.unlink()
+        # a peer finalising the job sweeps every temporary file, this probe included: the write succeeded
+        probe.unlink(missing_ok=True)
     except OSError as exc:
         raise OutputNotWritableError(exc.errno, describe_os_error(exc, output_dir)) from exc
 

@@ -44,7 +44,9 @@ def test_torchrun_elastic_workers_with_a_crash_and_restart(tmp_path):
     # rank 1 killed itself in the first attempt; torchrun restarted the group, whose workers joined the job
     # (whatever was left of it) and exited cleanly
     assert "exitcode: -9" in proc.stderr
-    assert "worker rank0-try1 committed=" in proc.stdout and "worker rank1-try1 committed=" in proc.stdout
+    assert "worker rank0-try1 committed=" in proc.stdout and "worker rank1-try1 committed=" in proc.stdout, (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )
     committed_by = {s.committed_by for s in Ledger(str(out / LEDGER_FILE_NAME), str(out.resolve())).shards((COMMITTED,))}
     assert "rank1-try0" in committed_by
     assert_exact_output(out, 600)

@@ -182,6 +182,31 @@ def test_unopenable_sqlite_ledger_is_a_clear_error(tmp_path):
         Ledger(str(blocker / "ledger.sqlite"), "job")
 
 
+@pytest.mark.timeout(30)
+def test_sqlite_ledger_opens_while_a_peer_holds_the_fresh_file_locked(tmp_path):
+    """Two workers opening a new ledger at once: the second waits for the first's write lock, it does not fail."""
+    import sqlite3
+
+    path = tmp_path / "ledger.sqlite"
+    peer = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    peer.execute("CREATE TABLE t (x INTEGER)")
+    peer.execute("BEGIN IMMEDIATE")  # a write lock on a file still in rollback-journal mode
+    peer.execute("INSERT INTO t VALUES (1)")
+    releaser = threading.Timer(0.3, lambda: peer.execute("COMMIT"))
+    releaser.start()
+    try:
+        ledger = Ledger(str(path), "job")
+    finally:
+        releaser.join()
+        peer.close()
+    ledger.ensure_job(10, 5)
+    assert len(ledger.shards()) == 2
+    check = sqlite3.connect(str(path))
+    assert check.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    check.close()
+    ledger.close()
+
+
 def test_redact_url_hides_passwords():
     assert redact_url("postgresql://u:pw@h:5/db") == "postgresql://u:***@h:5/db"
     assert redact_url("postgresql://h/db?password=pw&x=1") == "postgresql://h/db?password=***&x=1"

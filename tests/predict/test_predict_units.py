@@ -8,7 +8,9 @@ import torch
 from lightning_paro.predict.batch import BatchTicket, ElasticBatch, slice_batch
 from lightning_paro.predict.columns import PredictionFormatError, prediction_columns
 from lightning_paro.predict.isolation import predict_isolated
-from lightning_paro.predict.shard_files import publish
+from lightning_paro.predict import shard_files
+from lightning_paro.predict.manifest import finalize_job
+from lightning_paro.predict.shard_files import check_output_dir, publish
 
 
 def test_slice_batch_cuts_every_per_row_leaf():
@@ -61,3 +63,30 @@ def test_publish_never_replaces_an_existing_file(tmp_path):
     assert publish(second, final).created is False
     assert final.read_text() == "first"
     assert not first.exists() and not second.exists()
+
+
+def test_output_dir_probe_survives_a_peer_finalising_the_job(tmp_path, monkeypatch):
+    """A worker joining a finished job writes its probe file while a peer's finalize sweeps every temporary file."""
+    out = tmp_path / "out"
+    out.mkdir()
+    real_fsync = shard_files.os.fsync
+
+    class FinishedLedger:  # all a finalize of an empty, complete job reads
+        job = "j"
+
+        def shards(self):
+            return []
+
+        def job_shape(self):
+            return (0, 1)
+
+    def fsync_then_peer_finalises(fd):
+        real_fsync(fd)
+        monkeypatch.undo()  # the peer's own writes fsync normally
+        assert [p for p in out.iterdir() if p.name.startswith(shard_files.TEMP_PREFIX + "probe-")]
+        finalize_job(out, FinishedLedger(), "parquet", "row", None, 0)
+
+    monkeypatch.setattr(shard_files.os, "fsync", fsync_then_peer_finalises)
+    check_output_dir(out)
+    assert (out / "manifest.json").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(shard_files.TEMP_PREFIX)]
