@@ -12,7 +12,11 @@ from typing import Optional
 from lightning_paro.predict import shard_files
 from lightning_paro.predict.ledger import COMMITTED, LEASED, POISONED, SPLIT, TODO, Ledger
 
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = "_manifest.json"
+"""The job's manifest. Its leading ``_`` keeps it out of what dataset readers (Arrow, pandas, DuckDB, Spark) take for
+data when they read the output directory."""
+LEGACY_MANIFEST_NAMES = ("manifest.json",)
+"""Names versions up to 0.1.0 wrote the manifest under: still read, never written."""
 SUCCESS_NAME = "_SUCCESS"
 
 
@@ -38,7 +42,7 @@ def _write_atomically(path: Path, text: str) -> None:
 def finalize_job(
     output_dir: Path, ledger: Ledger, fmt: str, index_column: str, id_column: Optional[str], max_failed_rows: int
 ) -> dict:
-    """Writes ``manifest.json`` (and ``_SUCCESS`` when within the error budget) for a job whose shards are all done.
+    """Writes ``_manifest.json`` (and ``_SUCCESS`` when within the error budget) for a job whose shards are all done.
 
     Idempotent and safe to run from several workers at once: every step is an atomic replace of
     identical content or the removal of files no committed shard refers to.
@@ -51,7 +55,7 @@ def finalize_job(
     poisoned = [s for s in shards if s.state == POISONED]
     for shard in poisoned:
         errors = output_dir / shard_files.errors_file_name(shard.start_row, shard.end_row)
-        if not errors.exists():
+        if shard_files.existing_errors_file(output_dir, shard.start_row, shard.end_row) is None:
             records = [
                 {index_column: row, "row": row, "stage": "worker", "error": shard.error, "traceback": "",
                  "shard_start": shard.start_row, "shard_end": shard.end_row, "attempt": shard.attempts, "worker": None}
@@ -83,7 +87,7 @@ def finalize_job(
         "max_failed_rows": max_failed_rows,
         "files": files,
         "errors_files": sorted(
-            str(p.relative_to(output_dir)) for p in (output_dir / shard_files.ERRORS_DIR).glob("part-*.jsonl")
+            str(p.relative_to(output_dir)) for d in shard_files.errors_dirs(output_dir) for p in d.glob("part-*.jsonl")
         ),
         "completed_at": time.time(),
     }
@@ -95,16 +99,15 @@ def finalize_job(
 
 def _remove_unreferenced(output_dir: Path, fmt: str, referenced: set) -> None:
     """Deletes leftover temporary files and published files of superseded shards."""
-    for path in output_dir.glob(f"{shard_files.TEMP_PREFIX}*"):
-        path.unlink(missing_ok=True)
-    errors_dir = output_dir / shard_files.ERRORS_DIR
-    for path in errors_dir.glob(f"{shard_files.TEMP_PREFIX}*"):
-        path.unlink(missing_ok=True)
+    errors_dirs = shard_files.errors_dirs(output_dir)
+    for directory in [output_dir, *errors_dirs]:
+        for path in directory.glob(f"{shard_files.TEMP_PREFIX}*"):
+            path.unlink(missing_ok=True)
     for path in output_dir.glob(f"part-*.{fmt}"):
         if path.name not in referenced:
             path.unlink(missing_ok=True)
     now = time.time()
-    for path in [*output_dir.glob(f"{_FINAL_TEMP_PREFIX}*"), *errors_dir.glob(f"{_FINAL_TEMP_PREFIX}*")]:
+    for path in [p for directory in [output_dir, *errors_dirs] for p in directory.glob(f"{_FINAL_TEMP_PREFIX}*")]:
         try:
             if now - path.stat().st_mtime > _STALE_FINAL_TEMP_S:
                 path.unlink(missing_ok=True)
@@ -113,7 +116,9 @@ def _remove_unreferenced(output_dir: Path, fmt: str, referenced: set) -> None:
 
 
 def read_manifest(output_dir: Path) -> Optional[dict]:
-    path = Path(output_dir) / MANIFEST_NAME
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
+    """The manifest of a completed job (under its current or a legacy name); None while the job runs."""
+    for name in (MANIFEST_NAME, *LEGACY_MANIFEST_NAMES):
+        path = Path(output_dir) / name
+        if path.exists():
+            return json.loads(path.read_text())
+    return None

@@ -11,7 +11,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from lightning_paro.predict import shard_files
-from lightning_paro.predict.manifest import JobIncompleteError, read_manifest
+from lightning_paro.predict.manifest import MANIFEST_NAME, JobIncompleteError, read_manifest
 
 
 def _shard_paths(output_dir: Path, allow_incomplete: bool) -> tuple[list[Path], str]:
@@ -20,7 +20,7 @@ def _shard_paths(output_dir: Path, allow_incomplete: bool) -> tuple[list[Path], 
         return [output_dir / f["file"] for f in sorted(manifest["files"], key=lambda f: f["start_row"])], manifest["format"]
     if not allow_incomplete:
         raise JobIncompleteError(
-            f"{output_dir} has no manifest.json: the prediction job has not completed. See its progress with "
+            f"{output_dir} has no {MANIFEST_NAME}: the prediction job has not completed. See its progress with "
             f"`python -m lightning_paro.predict status {output_dir}`, or pass allow_incomplete=True to read the "
             "shards published so far."
         )
@@ -66,9 +66,9 @@ def iter_predictions(
 
 def read_errors(output_dir: Union[str, Path]) -> list[dict]:
     """Every row isolated as poison: its index, stage, exception and traceback, in input order."""
-    errors_dir = Path(output_dir) / shard_files.ERRORS_DIR
+    paths = [p for d in shard_files.errors_dirs(Path(output_dir)) for p in d.glob("part-*.jsonl")]
     records = []
-    for path in sorted(errors_dir.glob("part-*.jsonl")):
+    for path in sorted(paths, key=lambda p: p.name):
         with open(path) as f:
             records.extend(json.loads(line) for line in f if line.strip())
     return records

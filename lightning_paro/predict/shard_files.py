@@ -21,7 +21,11 @@ import pyarrow.parquet as pq
 
 FORMATS = ("parquet", "jsonl")
 TEMP_PREFIX = ".tmp-"
-ERRORS_DIR = "errors"
+ERRORS_DIR = "_errors"
+"""Where rows isolated as poison are written. Every name in an output directory that is not a data file starts with
+``_`` or ``.``, which Arrow, Spark, pandas and DuckDB skip when they read the directory as a dataset."""
+LEGACY_ERRORS_DIRS = ("errors",)
+"""Where versions up to 0.1.0 wrote them: still read, never written."""
 
 
 class OutputNotWritableError(OSError):
@@ -36,6 +40,18 @@ def shard_file_name(start_row: int, end_row: int, fmt: str) -> str:
 def errors_file_name(start_row: int, end_row: int) -> str:
     """The final name of a shard's errors file, relative to the output directory."""
     return f"{ERRORS_DIR}/part-{start_row:012d}-{end_row:012d}.jsonl"
+
+
+def errors_dirs(output_dir: Path) -> list[Path]:
+    """The errors directory and the legacy ones present in ``output_dir``."""
+    legacy = [output_dir / name for name in LEGACY_ERRORS_DIRS if (output_dir / name).is_dir()]
+    return [output_dir / ERRORS_DIR, *legacy]
+
+
+def existing_errors_file(output_dir: Path, start_row: int, end_row: int) -> Optional[Path]:
+    """A shard's published errors file, under the current or a legacy errors directory; None if there is none."""
+    name = Path(errors_file_name(start_row, end_row)).name
+    return next((d / name for d in errors_dirs(output_dir) if (d / name).exists()), None)
 
 
 def _fsync_dir(path: Path) -> None:

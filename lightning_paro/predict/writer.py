@@ -58,8 +58,8 @@ def acknowledge_existing(output_dir: Path, fmt: str, owner: str, ledger: Ledger,
     if not final.exists():
         return False
     rows = shard_files.count_rows(final, fmt)
-    errors = output_dir / shard_files.errors_file_name(lease.start_row, lease.end_row)
-    failed = shard_files.count_rows(errors, "jsonl") if errors.exists() else 0
+    errors = shard_files.existing_errors_file(output_dir, lease.start_row, lease.end_row)
+    failed = shard_files.count_rows(errors, "jsonl") if errors is not None else 0
     result = ledger.commit(lease.shard_id, owner, rows, failed, final.name)
     log.info("rows [%d, %d) were already written: %s without recomputing", lease.start_row, lease.end_row, result.value)
     if result is CommitResult.SUPERSEDED:

@@ -33,7 +33,7 @@ def test_every_row_once_in_input_order_with_manifest(tmp_path, fmt, num_workers)
     callback = run_job(spec)
     table = assert_exact_output(out, 230)
     assert table.column("key").to_pylist() == [f"id-{i}" for i in range(230)]
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["num_rows"] == 230 and manifest["rows_written"] == 230 and manifest["rows_failed"] == 0
     assert [f["start_row"] for f in manifest["files"]] == [0, 50, 100, 150, 200]
     assert all(f["file"].endswith("." + fmt) for f in manifest["files"])
@@ -111,7 +111,7 @@ def test_disk_full_midway_fails_clearly_leaves_ledger_consistent_and_resumes(tmp
     for shard in committed:  # nothing is marked done that is not on disk
         assert (out / shard.file).exists()
     assert not list(out.glob(".tmp-*"))
-    assert not (out / "manifest.json").exists()
+    assert not (out / "_manifest.json").exists()
     with pytest.raises(JobIncompleteError, match="status"):
         read_predictions(out)
     monkeypatch.setattr(shard_files.os, "fsync", real_fsync)

@@ -107,7 +107,7 @@ def test_a_dead_stage_fails_clearly_and_a_rerun_completes_exactly(tmp_path, monk
     with pytest.raises(PipelineStageError, match="stage 'head' died .*already restarted 1 times"):
         run_pipeline(stages, loader(300), str(out), shard_size=50, max_failed_rows=1, lease_ttl_s=5.0,
                      max_stage_restarts=1)
-    assert not (out / "manifest.json").exists()
+    assert not (out / "_manifest.json").exists()
     monkeypatch.setenv("PIPELINE_TEST_DIE", "")
     run_pipeline(stages, loader(300), str(out), shard_size=50, max_failed_rows=1, lease_ttl_s=5.0)
     assert_exact_output(out, 300, skip={77})

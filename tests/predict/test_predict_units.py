@@ -88,5 +88,5 @@ def test_output_dir_probe_survives_a_peer_finalising_the_job(tmp_path, monkeypat
 
     monkeypatch.setattr(shard_files.os, "fsync", fsync_then_peer_finalises)
     check_output_dir(out)
-    assert (out / "manifest.json").exists()
+    assert (out / "_manifest.json").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(shard_files.TEMP_PREFIX)]
