@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from typing import Any, Optional
 
@@ -10,7 +11,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_paro import compat
+from lightning_paro.predict.batch import ElasticBatch
 from lightning_paro.predict.config import ElasticPredictConfig
+from lightning_paro.predict.ledger import LEASED, TODO
 from lightning_paro.predict.loader import single_dataloader
 from lightning_paro.predict.run import WorkerRun, wrap_predict_step
 
@@ -33,6 +37,9 @@ class ElasticPredict(Callback):
         self.manifest: Optional[dict] = None
         self._original_step = None
         self._module: Optional[pl.LightningModule] = None
+        self.batches_run = 0
+        """Batches of rows this worker predicted (idle waits left out)."""
+        self._batches_expected: Optional[int] = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -40,10 +47,15 @@ class ElasticPredict(Callback):
             return
         # Lightning warns that it cannot force drop_last=False on a custom batch sampler; ours never drops rows
         warnings.filterwarnings("ignore", message=r".*custom batch sampler `ShardBatchSampler`.*")
-        source = trainer.predict_loop._data_source  # the dataloaders given to trainer.predict, not yet iterated
+        source = compat.predict_data_source(trainer)  # the dataloaders given to trainer.predict, not yet iterated
         loader = single_dataloader(source.dataloader())
         self.run = WorkerRun(self.config, loader)
         source.instance = self.run.dataloader
+        self.batches_run = 0
+        batch_size = int(loader.batch_size)
+        # the batches of the shards left to do: this worker's share when it runs alone, an upper bound with peers
+        self._batches_expected = sum(math.ceil(s.num_rows / batch_size)
+                                     for s in self.run.ledger.shards(states=(TODO, LEASED)))
         # predictions go to disk; Lightning must not also collect them all in memory
         trainer.predict_loop.return_predictions = False
         self._module = pl_module
@@ -57,14 +69,27 @@ class ElasticPredict(Callback):
     ) -> None:
         assert self.run is not None
         self.run.on_batch_end(outputs)
+        if isinstance(batch, ElasticBatch) and not batch.ticket.idle:
+            self.batches_run += 1
+        bar = _predict_bar(trainer)
+        if bar is None:
+            return
+        # Lightning cannot know the length of a leased stream and shows n/?: give it the batches left in the job
+        if self._batches_expected is not None:
+            bar.total = max(self._batches_expected, batch_idx + 1)
         text = self.run.progress_text
-        bar = getattr(trainer.progress_bar_callback, "predict_progress_bar", None)
-        if text and bar is not None and hasattr(bar, "set_postfix_str"):
+        if text and hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(text, refresh=False)
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.run is not None
+        bar = _predict_bar(trainer)
+        if bar is not None:
+            # ends at the batches this worker ran (waits for its peers' shards are not batches of rows)
+            bar.n = bar.total = self.batches_run
+            if hasattr(bar, "refresh"):
+                bar.refresh()
         self.manifest = self.run.finish()
 
     @override
@@ -87,3 +112,12 @@ class ElasticPredict(Callback):
         if self._module is not None and "predict_step" in self._module.__dict__:
             del self._module.__dict__["predict_step"]
         self._module = None
+
+
+def _predict_bar(trainer: pl.Trainer) -> Any:
+    """The predict progress bar of Lightning's TQDM progress bar (or one like it), None without one."""
+    try:
+        bar = getattr(trainer.progress_bar_callback, "predict_progress_bar", None)
+    except TypeError:  # Lightning's TQDM bar before its first predict batch
+        return None
+    return bar if bar is not None and hasattr(bar, "total") and hasattr(bar, "n") else None
