@@ -6,26 +6,49 @@ block j at level I and sub-block i of intra block j at level G. With that layout
 all-gather followed by an intra all-gather, and a global reduce-scatter is an intra reduce-scatter followed by an
 inter one, with no copies.
 
-All collectives of one :class:`Communicator` run, in the order they were issued, on one background thread: ranks
-issue them in the same order, so they match across ranks, and the caller's thread is free to compute while they
-run (``async_op=True`` returns a :class:`CommHandle`). Communicators of the same layout in one process share that
-thread and their process groups (:mod:`lightning_paro.comm.group_cache`), so building strategy after strategy adds
-neither, and work issued by one never races work issued by another.
+**One thread.** All collectives of one :class:`Communicator` run, in the order they were issued, on one background
+thread ("paro-comm"): ranks issue them in the same order, so they match across ranks, and the caller's thread is free
+to compute while they run (``async_op=True`` returns a :class:`CommHandle`). Communicators of the same layout in one
+process share that thread and their process groups (:mod:`lightning_paro.comm.group_cache`), so building strategy
+after strategy adds neither, and work issued by one never races work issued by another. The rule for every other
+collective the strategy issues (Lightning's ``barrier``, ``broadcast`` and ``reduce``, which ``self.log(...,
+sync_dist=True)`` uses; the set-up broadcasts of parameters and buffers) is the same: it runs on that thread too
+(:meth:`Communicator.run`, :meth:`Communicator.broadcast`), after everything issued before it. NCCL needs this: kernels
+of different communicators launched from several host threads, in an order that differs between ranks, can wait on
+each other forever. On CUDA tensors HO-Ring runs its pipeline on this thread as well
+(:attr:`~lightning_paro.comm.ho_ring.HORingConfig.single_thread`). Collectives issued by user code outside the
+strategy are not covered: issue them while the strategy has none in flight (between steps, or after
+``engine.wait()``).
+
+**Failures.** A collective that fails on this thread raises :class:`CollectiveError` ("PaRO all_gather over scope
+'global' failed: ...") from the :meth:`CommHandle.wait` of its own handle and of every handle issued after it; the
+work queued behind it never runs (it would read buffers the failed collective did not fill), and every later submit
+raises the same error at once. A peer that dies breaks its connections, so the collectives waiting for it fail on
+every rank; a peer that stops issuing collectives makes them fail after the process group's timeout (the default
+group's, which every group created here shares), and a waiter gives up a margin after that even if a backend call
+does not honour it (:func:`~lightning_paro.comm.group_cache.stall_limit`).
+
+Control tensors (the "parameter used" flags, the gradient norm) and every buffer handed to a collective must live on
+the communicator's device: an NCCL group carries no CPU tensor.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Future
-from typing import Callable, Literal
+import time
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import wait as futures_wait
+from datetime import timedelta
+from typing import Any, Callable, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from lightning_paro import compat
 from lightning_paro.comm import ho_ring
 from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
-from lightning_paro.comm.group_cache import cached_groups
+from lightning_paro.comm.group_cache import cached_groups, default_timeout, stall_limit
 from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
 
@@ -34,40 +57,136 @@ Scope = Literal["intra", "inter", "global"]
 HOR_EXACT_SCOPES = HORingConfig(flat_below_bytes=0)
 """HO-Ring as the Communicator runs it: never the flat fallback, so every byte crosses the scope it is recorded in."""
 ReduceOp = Literal["sum", "avg"]
+T = TypeVar("T")
+
+
+class CollectiveError(RuntimeError):
+    """A PaRO collective failed: on this rank (the backend raised), or on a peer, which reaches this rank as a lost
+    connection or a timeout. After it, the communication thread refuses all further work with this same error."""
+
+    def __init__(self, op: str, scope: str, cause: BaseException | str) -> None:
+        self.op, self.scope = op, scope
+        detail = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"PaRO {op} over scope '{scope}' failed: {detail}")
 
 
 class CommHandle:
-    """A collective in flight. :meth:`wait` blocks until it (and everything issued before it) has finished."""
+    """A collective in flight. :meth:`wait` blocks until it has finished and raises :class:`CollectiveError` if it
+    (or anything issued before it on the same thread) failed."""
 
-    def __init__(self, future: Future) -> None:
+    __slots__ = ("_future", "_worker")
+
+    def __init__(self, future: Future, worker: _Worker) -> None:
         self._future = future
+        self._worker = worker
 
     def wait(self) -> None:
+        if not self._future.done():
+            self._worker.wait_for(self._future)
         self._future.result()
 
     def is_completed(self) -> bool:
         return self._future.done()
 
 
-class _Worker:
-    """The thread that runs a process's collectives for one layout, one at a time, in the order they were issued."""
+def _settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    # A future may already carry the failure a waiter declared while its work was still running.
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
 
-    def __init__(self, device: torch.device | None) -> None:
+
+class _Worker:
+    """The thread that runs a process's collectives for one layout, one at a time, in the order they were issued.
+
+    The first failure is sticky: the work queued behind it is not run (it would read buffers the failed collective
+    never filled) and every later submit and wait raises that failure at once.
+    """
+
+    def __init__(self, device: torch.device | None, timeout_s: float) -> None:
         self.device = device
+        self.timeout_s = timeout_s
+        self.stall_limit = stall_limit(timeout_s)
+        self.error: CollectiveError | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running: tuple[str, str] | None = None
+        self._started_at = 0.0
+        self._progress_sources: list = []
         self._thread = threading.Thread(target=self._run, name="paro-comm", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None]) -> Future:
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def submit(self, fn: Callable[[], Any], op: str, scope: str) -> Future:
+        if self.error is not None:
+            raise self.error
         future: Future = Future()
-        self._queue.put((fn, future))
+        self._queue.put((fn, future, op, scope))
+        if self.error is not None:  # failed meanwhile: the drain in fail() may have run before this put
+            self._drain()
         return future
 
+    def add_progress_source(self, source) -> None:
+        """Something with a ``progress_at()`` (monotonic seconds) that moves while one long item is running (HO-Ring
+        chunks finishing), so that the stall check does not count that time as a stall."""
+        with self._lock:
+            if all(s is not source for s in self._progress_sources):
+                self._progress_sources.append(source)
+
+    def wait_for(self, future: Future) -> None:
+        """Block until ``future`` is settled, or declare the running item failed if it made no progress for the stall
+        limit. The backend's own timeout (the process group's) normally ends a stuck collective first; this bounds
+        the wait even where a backend call does not honour it."""
+        while not future.done():
+            idle = self._idle_for()
+            if idle >= self.stall_limit:
+                op, scope = self._running or ("collective", "?")
+                self.fail(CollectiveError(op, scope, f"no progress for {idle:.0f} s (timeout {self.timeout_s:.0f} s):"
+                                                     " a peer stopped issuing collectives, or died"))
+            elif self.error is not None:
+                self._drain()
+            else:
+                futures_wait([future], timeout=max(0.05, self.stall_limit - idle))
+                continue
+            if not future.done():
+                _settle(future, error=self.error)
+
+    def fail(self, error: CollectiveError) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        self._drain()
+
     def close(self) -> None:
-        """Run what was submitted, then stop the thread."""
+        """Run what was submitted, then stop the thread (after a failure: stop without waiting for it)."""
         self._queue.put(None)
-        if threading.current_thread() is not self._thread:
+        if threading.current_thread() is not self._thread and self.error is None:
             self._thread.join()
+
+    def _drain(self) -> None:
+        # Work still queued after a failure never runs: settle it now so that nobody waits for it.
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # close() was called: keep the request to stop
+                self._queue.put(None)
+                return
+            _settle(item[1], error=self.error)
+
+    def _idle_for(self) -> float:
+        if self._running is None:
+            return 0.0
+        latest = max([self._started_at] + [s.progress_at() for s in self._progress_sources])
+        return time.monotonic() - latest
 
     def _run(self) -> None:
         if self.device is not None and self.device.type == "cuda":
@@ -78,20 +197,39 @@ class _Worker:
             item = self._queue.get()
             if item is None:
                 return
-            fn, future = item
+            fn, future, op, scope = item
+            if self.error is not None:
+                _settle(future, error=self.error)
+                continue
+            self._started_at = time.monotonic()
+            self._running = (op, scope)
             try:
-                fn()
-            except BaseException as err:  # surfaced to the waiting thread
-                future.set_exception(err)
+                result = fn()
+            except BaseException as err:  # surfaced to every waiting thread
+                self.fail(err if isinstance(err, CollectiveError) else CollectiveError(op, scope, err))
+                _settle(future, error=self.error)
             else:
-                future.set_result(None)
+                _settle(future, result)
+            finally:
+                self._running = None
 
 
 class Communicator:
-    """Issues the collectives of one rank over a :class:`Topology` and records their traffic in a meter."""
+    """Issues the collectives of one rank over a :class:`Topology` and records their traffic in a meter.
+
+    Args:
+        topology: this rank's place in the n = g x m layout.
+        meter: where traffic is recorded (a new one by default).
+        device: the compute device: control tensors must live there, and on CUDA the communication thread makes
+            it current.
+        ho_ring_config: how global and rail collectives run as HO-Ring (``None``: plain two-phase collectives).
+        timeout: how long a collective may wait for its peers (default: the default process group's timeout); waits
+            give up a margin after it (:func:`~lightning_paro.comm.group_cache.stall_limit`).
+    """
 
     def __init__(self, topology: Topology, meter: TrafficMeter | None = None,
-                 device: torch.device | None = None, ho_ring_config: HORingConfig | None = HOR_EXACT_SCOPES) -> None:
+                 device: torch.device | None = None, ho_ring_config: HORingConfig | None = HOR_EXACT_SCOPES,
+                 timeout: timedelta | float | None = None) -> None:
         self.topology = topology
         self.meter = meter if meter is not None else TrafficMeter()
         self.device = device
@@ -104,8 +242,19 @@ class Communicator:
         self._ho_groups = (ho_ring.shared_groups(topology)
                            if ho_ring_config is not None and topology.num_groups > 1 else None)
         self._ho_global = self._ho_groups is not None and topology.group_size > 1
-        self._worker = cached_groups(("paro-comm", topology.world_size, topology.group_size, topology.rank, device),
-                                     lambda: _Worker(device))
+        self._worker = comm_thread(topology, device, timeout)
+        if self._ho_groups is not None:
+            self._worker.add_progress_source(self._ho_groups)
+
+    @property
+    def error(self) -> CollectiveError | None:
+        """The failure that stopped this rank's communication thread, if any."""
+        return self._worker.error
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread every collective of this communicator is issued from."""
+        return self._worker.thread
 
     # ------------------------------------------------------------------ public collectives
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope, async_op: bool = False) -> CommHandle | None:
@@ -120,7 +269,7 @@ class Communicator:
             self._account("all_gather", INTRA, nbytes)
         else:
             self._account("all_gather", scope, nbytes)
-        return self._submit(lambda: self._all_gather(out, shard, scope), async_op)
+        return self._submit(lambda: self._all_gather(out, shard, scope), async_op, "all_gather", scope)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
                        async_op: bool = False) -> CommHandle | None:
@@ -131,7 +280,7 @@ class Communicator:
             self._account("reduce_scatter", INTER, nbytes // self.topology.group_size)
         else:
             self._account("reduce_scatter", scope, nbytes)
-        return self._submit(lambda: self._reduce_scatter(out, full, scope, op), async_op)
+        return self._submit(lambda: self._reduce_scatter(out, full, scope, op), async_op, "reduce_scatter", scope)
 
     def all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
                    async_op: bool = False) -> CommHandle | None:
@@ -143,14 +292,29 @@ class Communicator:
             self._account("all_gather", INTRA, nbytes)
         else:
             self._account("all_reduce", scope, nbytes)
-        return self._submit(lambda: self._all_reduce(tensor, scope, op), async_op)
+        return self._submit(lambda: self._all_reduce(tensor, scope, op), async_op, "all_reduce", scope)
 
-    def submit(self, fn: Callable[[], None], async_op: bool = True) -> CommHandle | None:
-        """Run ``fn`` on the communication thread after everything issued so far (e.g. consume a result)."""
-        return self._submit(fn, async_op)
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> CommHandle | None:
+        """Overwrite ``tensor`` with global rank ``src``'s on every rank (set-up: replicas start identical)."""
+        self._check_device(tensor, "broadcast")
+        group = self._groups.world
+        return self._submit(lambda: dist.broadcast(tensor, src=src, group=group), async_op, "broadcast", "global")
+
+    def submit(self, fn: Callable[[], None], async_op: bool = True, what: str = "work queued after a collective",
+               scope: str = "local") -> CommHandle | None:
+        """Run ``fn`` on the communication thread after everything issued so far (e.g. consume a result). It does not
+        run if anything before it failed."""
+        return self._submit(fn, async_op, what, scope)
+
+    def run(self, fn: Callable[[], T], what: str, scope: str = "global") -> T:
+        """Run ``fn`` (a collective issued by other code) on the communication thread, after everything issued so far,
+        and return its result; a failure raises :class:`CollectiveError` naming ``what`` and ``scope``."""
+        return run_on_comm_thread(self._worker, fn, what, scope)
 
     def scalar_all_reduce(self, tensor: torch.Tensor, scope: Scope) -> None:
-        """Sum a small control tensor (a norm, a flag) over ``scope``; its traffic is recorded as ``control``."""
+        """Sum a small control tensor (a norm, a flag) over ``scope``; its traffic is recorded as ``control``. The
+        tensor must live on the communicator's device, like every tensor its groups carry."""
+        self._check_device(tensor, "all_reduce")
         group = {"intra": self._groups.intra, "inter": self._groups.rail, "global": self._groups.world}[scope]
         if group is None:
             return
@@ -159,20 +323,26 @@ class Communicator:
         nbytes = 2 * (k - 1) * tensor.numel() * tensor.element_size()
         crosses_groups = scope == "inter" or (scope == "global" and self.topology.num_groups > 1)
         self.meter.record("control", INTER if crosses_groups else INTRA, nbytes)
-        self._submit(lambda: dist.all_reduce(tensor, group=group), False)
+        self._submit(lambda: dist.all_reduce(tensor, group=group), False, "all_reduce of control values", scope)
 
     def close(self) -> None:
         """Wait for the work issued so far. The communication thread and groups stay, shared with later
         Communicators of the same layout."""
-        self._submit(lambda: None, False)
+        self._submit(lambda: None, False, "close", "local")
 
     # ------------------------------------------------------------------ machinery
-    def _submit(self, fn: Callable[[], None], async_op: bool) -> CommHandle | None:
-        handle = CommHandle(self._worker.submit(fn))
+    def _submit(self, fn: Callable[[], None], async_op: bool, op: str, scope: str) -> CommHandle | None:
+        handle = CommHandle(self._worker.submit(fn, op, scope), self._worker)
         if async_op:
             return handle
         handle.wait()
         return None
+
+    def _check_device(self, tensor: torch.Tensor, op: str) -> None:
+        # A cheap guard on the control path: a tensor left on the CPU cannot be carried by an NCCL group.
+        if self.device is not None and tensor.device != self.device:
+            raise ValueError(f"PaRO {op}: the tensor is on {tensor.device}, the communicator's groups carry "
+                             f"{self.device}; allocate control tensors on the compute device.")
 
     def _account(self, op: str, scope: str, nbytes: int) -> None:
         # Recorded when issued (sizes are known), so a step's figures are complete even while its collectives run.
@@ -186,6 +356,9 @@ class Communicator:
     def _size(self, scope: str) -> int:
         return self.topology.group_size if scope == INTRA else self.topology.num_groups
 
+    def _rail_kwargs(self) -> dict:
+        return {"chunk_bytes": self.ho_ring_config.chunk_bytes, "single_thread": self.ho_ring_config.single_thread}
+
     # ------------------------------------------------------------------ one-phase primitives
     def _phase_all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: str) -> None:
         k = self._size(scope)
@@ -194,9 +367,9 @@ class Communicator:
                 out.copy_(shard)
             return
         if scope == INTER and self._ho_groups is not None:
-            ho_ring.rail_all_gather(out, shard, self._ho_groups, chunk_bytes=self.ho_ring_config.chunk_bytes)
+            ho_ring.rail_all_gather(out, shard, self._ho_groups, **self._rail_kwargs())
             return
-        dist.all_gather_into_tensor(out, shard, group=self._group(scope))
+        compat.all_gather_single(out, shard, group=self._group(scope))
 
     def _phase_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str) -> None:
         k = self._size(scope)
@@ -205,16 +378,16 @@ class Communicator:
                 out.copy_(full)
             return
         if scope == INTER and self._ho_groups is not None:
-            ho_ring.rail_reduce_scatter(out, full, self._ho_groups, chunk_bytes=self.ho_ring_config.chunk_bytes)
+            ho_ring.rail_reduce_scatter(out, full, self._ho_groups, **self._rail_kwargs())
             return
-        dist.reduce_scatter_tensor(out, full, group=self._group(scope))
+        compat.reduce_scatter_single(out, full, group=self._group(scope))
 
     def _phase_all_reduce(self, tensor: torch.Tensor, scope: str) -> None:
         k = self._size(scope)
         if k == 1:
             return
         if scope == INTER and self._ho_groups is not None:
-            ho_ring.rail_all_reduce(tensor, self._ho_groups, chunk_bytes=self.ho_ring_config.chunk_bytes)
+            ho_ring.rail_all_reduce(tensor, self._ho_groups, **self._rail_kwargs())
             return
         dist.all_reduce(tensor, group=self._group(scope))
 
@@ -267,3 +440,32 @@ class Communicator:
             k = self._size(scope)
         if op == "avg":
             tensor.div_(k)
+
+
+# ---------------------------------------------------------------------- the communication thread of a layout
+def comm_thread(topology: Topology, device: torch.device | None = None,
+                timeout: timedelta | float | None = None) -> _Worker:
+    """The communication thread of ``topology``'s layout on ``device``, started on first use; shared by every
+    Communicator of that layout (and :func:`run_on_comm_thread`) while the default group lives. Starting it is not
+    collective."""
+    if timeout is None:
+        timeout_s = default_timeout().total_seconds()
+    else:
+        timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    key = ("paro-comm", topology.world_size, topology.group_size, topology.rank, device, timeout_s)
+    return cached_groups(key, lambda: _Worker(device, timeout_s))
+
+
+def run_on_comm_thread(worker: _Worker, fn: Callable[[], T], what: str, scope: str = "global") -> T:
+    """Run ``fn`` on ``worker``'s thread after everything issued to it so far and return its result (inline when
+    called from that thread itself); a failure raises :class:`CollectiveError` naming ``what`` and ``scope``."""
+    if threading.current_thread() is worker.thread:
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except Exception as err:
+            raise CollectiveError(what, scope, err) from err
+    future = worker.submit(fn, what, scope)
+    CommHandle(future, worker).wait()
+    return future.result()

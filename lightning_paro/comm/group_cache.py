@@ -11,14 +11,20 @@ busy), and a new default group starts with an empty cache.
 
 Every rank must ask for the same keys in the same order, as with any collective: all ranks then miss the cache, and
 create, together.
+
+Groups created here take the default group's timeout (:func:`default_timeout`): torch gives a new group its own
+default (30 minutes on gloo) whatever ``init_process_group(timeout=...)`` said, and a collective on such a group
+would wait that long for a peer that is gone.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from datetime import timedelta
 from typing import Any, Callable, Hashable, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -37,10 +43,30 @@ def cached_groups(key: Hashable, create: Callable[[], T]) -> T:
         if entries is None:
             entries = {}
             _by_world[world] = entries
-            weakref.finalize(world, _close_all, entries)
+            # Not at interpreter exit: a process leaving after a failed collective must not wait for threads that
+            # may still be blocked in it; exiting ends them anyway.
+            weakref.finalize(world, _close_all, entries).atexit = False
         if key not in entries:
             entries[key] = create()
         return entries[key]
+
+
+def default_timeout() -> timedelta:
+    """The default process group's timeout, as given to ``init_process_group`` (torch's default if it cannot be
+    read)."""
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001  (no backend for that device, or a torch without these internals)
+            continue
+    return dist.default_pg_timeout
+
+
+def stall_limit(timeout_s: float) -> float:
+    """How long a waiter lets a collective go without progress before it declares it failed: the backend's timeout
+    plus a margin, so that the backend's own error (which names the peer and the message) normally comes first."""
+    return timeout_s + max(5.0, 0.25 * timeout_s)
 
 
 def _close_all(entries: dict[Hashable, Any]) -> None:

@@ -29,6 +29,19 @@ divide L the splits are as even as possible, the first parts one element longer 
 
 All ranks must issue the same HO-Ring collectives in the same order (as with any collective). Collectives issued with
 ``async_op=True`` may be in flight together; each phase runs its work in issue order on every rank.
+
+**Threads.** By default each phase runs on its own thread. In single-thread mode
+(:attr:`HORingConfig.single_thread`, the default for CUDA tensors) the calling thread runs the whole pipeline itself,
+in one fixed interleaving of chunks and phases (:meth:`_Job.run_inline`), and posts each exchange step as one batch:
+every rank then issues the same calls in the same order from one thread, which NCCL needs. Both modes give the same
+bits. Do not mix the modes on the same groups while collectives of the other are in flight.
+
+**Failures.** A failed send, receive or reduction fails its collective: the rest of that collective is neither posted
+nor waited for (its chunks still pass through the later phases, unposted, so their sequence numbers keep moving and no
+phase waits for a chunk that never comes), and :meth:`HORingWork.wait` raises an error naming the phase and the
+chunk. Every group is created with the default process group's timeout, so a message from a peer that stopped
+issuing collectives fails after that timeout; a peer that died fails its messages at once. ``wait`` also gives up
+when no chunk has finished a phase for :attr:`HORingWork.stall_limit` seconds, a margin after that timeout.
 """
 
 from __future__ import annotations
@@ -36,19 +49,21 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
-from lightning_paro.comm.group_cache import cached_groups
+from lightning_paro.comm.group_cache import cached_groups, default_timeout, stall_limit
 from lightning_paro.comm.topology import Topology
 
 ReduceOp = Literal["sum", "avg"]
 Range = tuple[int, int]
-Stage = Callable[[int, int], "Callable[[], None] | None"]
+Stage = Callable[[int, "_Lane"], "Callable[[], None] | None"]
 
 CHUNKS_IN_FLIGHT = 2
 """Chunks one phase has posted at a time (see ``_Phase._loop``)."""
@@ -65,6 +80,10 @@ class HORingConfig:
     """Bytes of the full buffer per pipeline chunk: smaller overlaps better, larger pays less per-message overhead."""
     flat_below_bytes: int = 1 * MiB
     """Buffers smaller than this use one flat collective over the world (one latency step instead of four phases)."""
+    single_thread: bool | None = None
+    """Run the pipeline on the calling thread, in one fixed interleaving of chunks and phases, instead of on the
+    phases' own threads; ``None`` (default): single-thread for CUDA tensors, whose NCCL calls must come from one thread
+    in the same order on every rank. The results are the same bits either way."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -108,19 +127,53 @@ def shard_range(numel: int, topology: Topology, position: int | None = None) -> 
 class HORingWork:
     """An HO-Ring collective in flight; :meth:`wait` blocks until its result is in the output buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, phases: Sequence[_Phase] = (), stall_limit: float | None = None) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._where = ""
+        self._phases = tuple(phases)
+        self._issued_at = time.monotonic()
+        self.stall_limit = stall_limit
+        """Seconds without any chunk finishing a phase after which :meth:`wait` declares the collective failed (None:
+        wait as long as it takes). The phases' own waits end at the process group's timeout, sooner than this."""
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the collective has finished; re-raise its error if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"HO-Ring collective not finished after {timeout} s: is every rank issuing it?")
+        """Block until the collective has finished; re-raise its error if it failed.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds, and ``RuntimeError`` (naming the phase and chunk) if the
+        collective failed or made no progress for ``stall_limit`` seconds.
+        """
+        if not self._done.is_set():
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._done.wait(self._next_check(deadline)):
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"HO-Ring collective not finished after {timeout} s: is every rank issuing it?")
+                idle = now - self.progress_at()
+                if self.stall_limit is not None and idle >= self.stall_limit:
+                    self._fail(TimeoutError(f"no chunk finished a phase for {idle:.0f} s: a peer stopped issuing"
+                                            " collectives, or died"), "")
+                    break
         if self._error is not None:
-            raise RuntimeError(f"HO-Ring collective failed: {self._error}") from self._error
+            raise RuntimeError(f"HO-Ring collective failed{self._where}: {type(self._error).__name__}: "
+                               f"{self._error}") from self._error
 
     def is_completed(self) -> bool:
         return self._done.is_set()
+
+    def progress_at(self) -> float:
+        """When a chunk last finished one of this collective's phases (any collective's, as they share phases)."""
+        return max([self._issued_at] + [p.progress_at for p in self._phases])
+
+    def _next_check(self, deadline: float | None) -> float | None:
+        bounds = [] if deadline is None else [deadline - time.monotonic()]
+        if self.stall_limit is not None:
+            bounds.append(self.progress_at() + self.stall_limit - time.monotonic())
+        return max(0.01, min(bounds)) if bounds else None
+
+    def _fail(self, error: BaseException, where: str) -> None:
+        if self._error is None:  # the first failure is the one to report; the rest follow from it
+            self._error, self._where = error, where
 
 
 class _Phase:
@@ -129,7 +182,8 @@ class _Phase:
     Tasks reach a phase from different places (the issuing thread, or an earlier phase finishing a chunk) and at
     different times on different ranks; running them by a sequence number fixed at issue makes the order of messages on
     this phase's process group identical on every rank, so the sends of one collective never meet the receives of
-    another.
+    another. In single-thread mode the issuing thread runs the tasks itself (:meth:`_Job.run_inline`) and the phase
+    lends only its groups and scratch buffers.
     """
 
     def __init__(self, name: str, new_group: Callable[[], object], ring: bool = False) -> None:
@@ -141,6 +195,8 @@ class _Phase:
         # single group runs at half the link's duplex rate. Lower rank -> higher rank uses ``up``, the reverse ``down``.
         self.up = new_group()
         self.down = new_group()
+        self.progress_at = 0.0
+        """When a chunk last finished this phase (monotonic clock), for the waiters' stall check."""
         self._scratch: dict = {}
         self._cv = threading.Condition()
         self._ready: dict[int, tuple[_Job, int, int]] = {}
@@ -186,7 +242,10 @@ class _Phase:
 
     def _loop(self) -> None:
         # Up to CHUNKS_IN_FLIGHT tasks are posted before the oldest is waited for: while the last messages of chunk k
-        # trickle in from the slowest peer, those of chunk k+1 already keep the link busy.
+        # trickle in from the slowest peer, those of chunk k+1 already keep the link busy. Waiting for new work on the
+        # condition variable is the only unbounded wait here: every task posted is completed (its message waits end
+        # at the group's timeout), and a failed job still hands its chunks on, so no later task waits for one that
+        # never comes.
         in_flight: collections.deque = collections.deque()
         while True:
             task = None
@@ -204,53 +263,104 @@ class _Phase:
                         self._cv.wait()
             if task is not None:
                 job, stage, chunk = task
-                in_flight.append((job, stage, chunk, job.post(stage, chunk, slot)))
+                in_flight.append((job, stage, chunk, job.post(stage, chunk, _Lane(self, slot, batched=False))))
             else:
                 job, stage, chunk, finisher = in_flight.popleft()
                 job.finish(stage, chunk, finisher)
 
 
+INLINE_SLOT = CHUNKS_IN_FLIGHT
+"""First slot of single-thread exchanges (one per stage): their tags and scratch never meet the phase threads'."""
+
+
+class _Lane:
+    """Where one exchange posts its messages: a phase's groups, and a slot that keeps the exchange's tags and scratch
+    apart from those of the phase's other exchanges in flight.
+
+    ``batched`` (single-thread mode) posts each step of an exchange as one ``batch_isend_irecv`` on the phase's
+    ``up`` group: NCCL matches the sends and receives of a batch together, where separate calls to several peers over
+    one communicator can wait on each other in a cycle. Otherwise each message goes on the group of its direction.
+    """
+
+    __slots__ = ("phase", "slot", "batched")
+
+    def __init__(self, phase: _Phase, slot: int, batched: bool) -> None:
+        self.phase, self.slot, self.batched = phase, slot, batched
+
+    def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        return self.phase.scratch(numel, like, self.slot)
+
+    def post(self, me: int, messages: list[tuple[bool, torch.Tensor, int, int]]) -> list:
+        """Post ``(is_send, tensor, peer, piece)`` messages (peers and ``me`` are global ranks); returns the works."""
+        if self.batched:
+            # c10d's own functions: P2POp accepts no other, even where torch.distributed's names are wrapped.
+            ops = [dist.P2POp(c10d.isend if send else c10d.irecv, t, peer, group=self.phase.up,
+                              tag=_tag(self.slot, piece)) for send, t, peer, piece in messages]
+            return dist.batch_isend_irecv(ops) if ops else []
+        return [dist.isend(t, peer, group=self.phase.to(me, peer), tag=_tag(self.slot, piece)) if send else
+                dist.irecv(t, peer, group=self.phase.to(peer, me), tag=_tag(self.slot, piece))
+                for send, t, peer, piece in messages]
+
+
 class _Job:
     """One collective: a list of (phase, stage function) pairs, each run on every chunk in order.
 
-    A stage function takes the chunk index and the phase slot, posts its messages and returns the function that
-    completes them (or ``None``).
+    A stage function takes the chunk index and the :class:`_Lane` to post on, posts its messages and returns the
+    function that completes them (or ``None``).
     """
 
-    def __init__(self, stages: list[tuple[_Phase, Stage]], num_chunks: int) -> None:
+    def __init__(self, stages: list[tuple[_Phase, Stage]], num_chunks: int, groups: HORingGroups,
+                 inline: bool) -> None:
         self.stages = stages
         self.num_chunks = num_chunks
-        self.work = HORingWork()
+        self.inline = inline
+        self.work = HORingWork([phase for phase, _ in stages], groups.stall_limit)
         self._left = num_chunks
         self._lock = threading.Lock()
         # Sequence numbers are reserved now, at issue, so every rank gives this job the same slots in every phase.
-        self._first_seq = [phase.reserve(num_chunks) for phase, _ in stages]
+        self._first_seq = [] if inline else [phase.reserve(num_chunks) for phase, _ in stages]
 
     def start(self) -> HORingWork:
         if not self.stages or self.num_chunks == 0:
             self.work._done.set()
+            return self.work
+        if self.inline:
+            self.run_inline()
             return self.work
         phase = self.stages[0][0]
         for k in range(self.num_chunks):
             phase.put(self._first_seq[0] + k, self, 0, k)
         return self.work
 
-    def post(self, stage: int, chunk: int, slot: int) -> Callable[[], None] | None:
+    def run_inline(self) -> None:
+        """Single-thread mode: run the whole pipeline on the calling thread, in an order every rank shares.
+
+        Chunk k enters stage s at tick k + s. Each tick posts the messages of all its (stage, chunk) pairs, stage by
+        stage, then completes them in the same order: the phases of different chunks are on the links together, and
+        every rank issues the same calls in the same sequence from one thread, which NCCL needs.
+        """
+        num_stages = len(self.stages)
+        for tick in range(self.num_chunks + num_stages - 1):
+            posted = []
+            for s in range(max(0, tick - self.num_chunks + 1), min(num_stages, tick + 1)):
+                lane = _Lane(self.stages[s][0], INLINE_SLOT + s, batched=True)
+                posted.append((s, tick - s, self.post(s, tick - s, lane)))
+            for s, k, finisher in posted:
+                self._complete(s, k, finisher)
+        self.work._done.set()
+
+    def post(self, stage: int, chunk: int, lane: _Lane) -> Callable[[], None] | None:
         """Start ``stage`` on ``chunk``; returns what completes it (``None`` if nothing is left to do)."""
         if self.work._error is None:
             try:
-                return self.stages[stage][1](chunk, slot)
+                return self.stages[stage][1](chunk, lane)
             except BaseException as err:  # surfaced by HORingWork.wait
-                self.work._error = err
+                self.work._fail(err, self._where(stage, chunk))
         return None
 
     def finish(self, stage: int, chunk: int, finisher: Callable[[], None] | None) -> None:
-        """Complete ``stage`` on ``chunk`` and hand the chunk to the next stage."""
-        if finisher is not None and self.work._error is None:
-            try:
-                finisher()
-            except BaseException as err:  # surfaced by HORingWork.wait
-                self.work._error = err
+        """Complete ``stage`` on ``chunk`` and hand the chunk to the next stage (phase-thread mode)."""
+        self._complete(stage, chunk, finisher)
         # A failed job still passes its chunks on, so later phases keep their sequence numbers moving.
         if stage + 1 < len(self.stages):
             self.stages[stage + 1][0].put(self._first_seq[stage + 1] + chunk, self, stage + 1, chunk)
@@ -260,6 +370,18 @@ class _Job:
             finished = self._left == 0
         if finished:
             self.work._done.set()
+
+    def _complete(self, stage: int, chunk: int, finisher: Callable[[], None] | None) -> None:
+        # After a failure the job's remaining messages are neither posted nor waited for: their peers may be gone.
+        if finisher is not None and self.work._error is None:
+            try:
+                finisher()
+            except BaseException as err:  # surfaced by HORingWork.wait
+                self.work._fail(err, self._where(stage, chunk))
+        self.stages[stage][0].progress_at = time.monotonic()
+
+    def _where(self, stage: int, chunk: int) -> str:
+        return f" in its {self.stages[stage][0].name} phase, chunk {chunk} of {self.num_chunks}"
 
 
 # ---------------------------------------------------------------------------------------------------------- groups
@@ -283,13 +405,23 @@ class HORingGroups:
         self.rail_peers = [order[q * m + self.local_index] for q in range(g)]
         """Global ranks of this rank's rail, by group index."""
 
+        # The default group's timeout bounds every wait on these groups (torch would give them 30 minutes).
+        timeout = default_timeout()
+        self.timeout = timeout.total_seconds()
+        """Seconds a message may take before the backend gives up on it (the default process group's timeout)."""
+        self.stall_limit = stall_limit(self.timeout)
+        """Seconds without progress after which a waiter declares a collective failed."""
+
+        def new_group(ranks: list[int]):
+            return dist.new_group(ranks, timeout=timeout)
+
         # new_group is collective over the default group: every rank creates every group, in the same order.
         def one_group_each(members_of: Callable[[int], list[int]], count: int, mine: int) -> Callable[[], object]:
             """A creator of the ``count`` groups ``members_of(c)`` (collective) that returns the one this rank is in."""
             def create():
                 chosen = None
                 for c in range(count):
-                    grp = dist.new_group(members_of(c))
+                    grp = new_group(members_of(c))
                     if c == mine:
                         chosen = grp
                 return chosen
@@ -301,9 +433,9 @@ class HORingGroups:
         def rail_of(j: int) -> list[int]:
             return [order[q * m + j] for q in range(g)]
 
-        self.world = dist.new_group(list(range(n)))
+        self.world = new_group(list(range(n)))
         """A private world group for the flat all-reduce (gloo's ring)."""
-        self.flat = _Phase("flat", lambda: dist.new_group(list(range(n))))
+        self.flat = _Phase("flat", lambda: new_group(list(range(n))))
         self.intra_scatter = self.inter_scatter = self.inter_gather = self.intra_gather = None
         if m > 1:
             self.intra_scatter = _Phase("intra-scatter", one_group_each(intra_of, g, self.group_index))
@@ -312,12 +444,20 @@ class HORingGroups:
             self.inter_scatter = _Phase("inter-scatter", one_group_each(rail_of, m, self.local_index), ring=g > 2)
             self.inter_gather = _Phase("inter-gather", one_group_each(rail_of, m, self.local_index), ring=g > 2)
 
+    @property
+    def phases(self) -> list[_Phase]:
+        return [p for p in (self.flat, self.intra_scatter, self.inter_scatter, self.inter_gather, self.intra_gather)
+                if p is not None]
+
+    def progress_at(self) -> float:
+        """When a chunk last finished any phase (monotonic clock; 0 if none has yet)."""
+        return max(p.progress_at for p in self.phases)
+
     def close(self) -> None:
         """Stop the phase threads (after the work already issued). The process groups live until the default group
         is destroyed."""
-        for phase in (self.flat, self.intra_scatter, self.inter_scatter, self.inter_gather, self.intra_gather):
-            if phase is not None:
-                phase.stop()
+        for phase in self.phases:
+            phase.stop()
 
 
 def create_groups(topology: Topology, rank_order: Sequence[int] | None = None) -> HORingGroups:
@@ -380,39 +520,38 @@ def _merged(ranges: list[Range]) -> list[Range]:
     return out
 
 
-def _reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, send_ranges: list[list[Range]],
+def _reduce_exchange(lane: _Lane, peers: list[int], me: int, send_ranges: list[list[Range]],
                      src: torch.Tensor, src_off: int, dst: torch.Tensor, dst_off: int) -> Callable[[], None]:
     """Reduce-scatter by all-to-all: send peer p the ranges ``send_ranges[p]`` of ``src``, receive ``send_ranges[me]``
     from every peer and write own + received (in peer order) into ``dst``. ``dst`` may be ``src`` (in place).
 
-    Posts the messages and returns the function that waits for them and sums; ``slot`` tells this exchange's messages
-    and scratch apart from those of the phase's other exchanges in flight.
+    Posts the messages on ``lane`` and returns the function that waits for them and sums.
     """
-    if phase.ring and all(len(r) == 1 for r in send_ranges):
-        return _ring_reduce_exchange(phase, slot, peers, me, [r[0] for r in send_ranges], src, src_off, dst, dst_off)
+    if lane.phase.ring and all(len(r) == 1 for r in send_ranges):
+        return _ring_reduce_exchange(lane, peers, me, [r[0] for r in send_ranges], src, src_off, dst, dst_off)
     mine = send_ranges[me]
-    ops, received = [], []
+    messages, received = [], []
     for p, peer in enumerate(peers):
         if p == me:
             continue
         for t, r in enumerate(send_ranges[p]):
             if r[1] > r[0]:
-                ops.append(dist.isend(_view(src, src_off, r), peer, group=phase.to(peers[me], peer),
-                                      tag=_tag(slot, t)))
+                messages.append((True, _view(src, src_off, r), peer, t))
     # Receive buffers come from the phase's scratch: fresh buffers would cost a page fault per page on every chunk.
-    scratch = phase.scratch((len(peers) - 1) * _size(mine), src, slot)
+    scratch = lane.scratch((len(peers) - 1) * _size(mine), src)
     used = 0
     for p, peer in enumerate(peers):
         if p == me:
             continue
         bufs = []
-        for tag, r in enumerate(mine):
+        for t, r in enumerate(mine):
             buf = scratch[used:used + r[1] - r[0]]
             used += r[1] - r[0]
             if r[1] > r[0]:
-                ops.append(dist.irecv(buf, peer, group=phase.to(peer, peers[me]), tag=_tag(slot, tag)))
+                messages.append((False, buf, peer, t))
             bufs.append(buf)
         received.append(bufs)
+    ops = lane.post(peers[me], messages)
 
     def finish() -> None:
         for op in ops:
@@ -427,22 +566,23 @@ def _reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, send_r
     return finish
 
 
-def _gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, ranges: list[list[Range]],
+def _gather_exchange(lane: _Lane, peers: list[int], me: int, ranges: list[list[Range]],
                      buf: torch.Tensor, off: int) -> Callable[[], None]:
     """All-gather by all-to-all: send ``ranges[me]`` of ``buf`` to every peer, receive ``ranges[p]`` from peer p
     straight into ``buf``. Posts the messages and returns the function that waits for them."""
-    if phase.ring and all(len(r) == 1 for r in ranges):
-        return _ring_gather_exchange(phase, slot, peers, me, [r[0] for r in ranges], buf, off)
-    ops = []
+    if lane.phase.ring and all(len(r) == 1 for r in ranges):
+        return _ring_gather_exchange(lane, peers, me, [r[0] for r in ranges], buf, off)
+    messages = []
     for p, peer in enumerate(peers):
         if p == me:
             continue
         for t, r in enumerate(ranges[me]):
             if r[1] > r[0]:
-                ops.append(dist.isend(_view(buf, off, r), peer, group=phase.to(peers[me], peer), tag=_tag(slot, t)))
+                messages.append((True, _view(buf, off, r), peer, t))
         for t, r in enumerate(ranges[p]):
             if r[1] > r[0]:
-                ops.append(dist.irecv(_view(buf, off, r), peer, group=phase.to(peer, peers[me]), tag=_tag(slot, t)))
+                messages.append((False, _view(buf, off, r), peer, t))
+    ops = lane.post(peers[me], messages)
 
     def finish() -> None:
         for op in ops:
@@ -451,7 +591,7 @@ def _gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, ranges
     return finish
 
 
-def _ring_reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, pieces: list[Range],
+def _ring_reduce_exchange(lane: _Lane, peers: list[int], me: int, pieces: list[Range],
                           src: torch.Tensor, src_off: int, dst: torch.Tensor, dst_off: int) -> Callable[[], None]:
     """Reduce-scatter by a ring, the same contract as :func:`_reduce_exchange` with one range per peer.
 
@@ -463,19 +603,19 @@ def _ring_reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, p
     k = len(peers)
     nxt, prev = peers[(me + 1) % k], peers[(me - 1) % k]
     longest = max(b - a for a, b in pieces)
-    scratch = phase.scratch(2 * longest, src, slot)
+    scratch = lane.scratch(2 * longest, src)
     partial = (scratch[:longest], scratch[longest:])  # received into one while the other is sent
 
     def post(step: int) -> tuple[list, int, torch.Tensor]:
         send_piece, recv_piece = pieces[(me - 1 - step) % k], pieces[(me - 2 - step) % k]
         send = _view(src, src_off, send_piece) if step == 0 else partial[(step - 1) % 2][:_size([send_piece])]
         recv = partial[step % 2][:_size([recv_piece])]
-        ops = []
+        messages = []
         if send.numel():
-            ops.append(dist.isend(send, nxt, group=phase.to(peers[me], nxt), tag=_tag(slot, step)))
+            messages.append((True, send, nxt, step))
         if recv.numel():
-            ops.append(dist.irecv(recv, prev, group=phase.to(prev, peers[me]), tag=_tag(slot, step)))
-        return ops, (me - 2 - step) % k, recv
+            messages.append((False, recv, prev, step))
+        return lane.post(peers[me], messages), (me - 2 - step) % k, recv
 
     first = post(0)
 
@@ -495,7 +635,7 @@ def _ring_reduce_exchange(phase: _Phase, slot: int, peers: list[int], me: int, p
     return finish
 
 
-def _ring_gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, pieces: list[Range],
+def _ring_gather_exchange(lane: _Lane, peers: list[int], me: int, pieces: list[Range],
                           buf: torch.Tensor, off: int) -> Callable[[], None]:
     """All-gather by a ring, the same contract as :func:`_gather_exchange` with one range per peer: in step s each
     rank passes piece ``me - s`` on to the next rank and receives piece ``me - 1 - s`` from the previous one, straight
@@ -505,12 +645,12 @@ def _ring_gather_exchange(phase: _Phase, slot: int, peers: list[int], me: int, p
 
     def post(step: int) -> list:
         send, recv = _view(buf, off, pieces[(me - step) % k]), _view(buf, off, pieces[(me - 1 - step) % k])
-        ops = []
+        messages = []
         if send.numel():
-            ops.append(dist.isend(send, nxt, group=phase.to(peers[me], nxt), tag=_tag(slot, step)))
+            messages.append((True, send, nxt, step))
         if recv.numel():
-            ops.append(dist.irecv(recv, prev, group=phase.to(prev, peers[me]), tag=_tag(slot, step)))
-        return ops
+            messages.append((False, recv, prev, step))
+        return lane.post(peers[me], messages)
 
     first = post(0)
 
@@ -576,7 +716,12 @@ def _record(meter: TrafficMeter | None, op: str, scope: str, nbytes: int) -> Non
         meter.record(op, scope, nbytes)
 
 
-def _finish(work: HORingWork, async_op: bool) -> HORingWork | None:
+def _run(stages: list[tuple[_Phase, Stage]], num_chunks: int, groups: HORingGroups, single_thread: bool | None,
+         like: torch.Tensor, async_op: bool) -> HORingWork | None:
+    """Issue a collective's pipeline: on the phase threads, or run it here in single-thread mode (then it is complete
+    on return)."""
+    inline = like.is_cuda if single_thread is None else single_thread
+    work = _Job(stages, num_chunks, groups, inline).start()
     if async_op:
         return work
     work.wait()
@@ -616,13 +761,13 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
     if n == 1 or numel * es < config.flat_below_bytes:
         _record(meter, "all_reduce", INTER, ring_bytes("all_reduce", numel * es, n))
 
-        def run_flat(_: int, __: int) -> None:
+        def run_flat(_: int, __: _Lane) -> None:
             if n > 1:
                 dist.all_reduce(flat, group=grp.world)
             if op == "avg" and n > 1:
                 flat.div_(n)
 
-        return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
+        return _run([(grp.flat, run_flat)], 1, grp, config.single_thread, flat, async_op)
 
     i, j = grp.group_index, grp.local_index
     chunks = _contiguous_chunks(numel, max(1, config.chunk_bytes // es), m, g)
@@ -633,25 +778,25 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
             _view(flat, 0, chunks[k][j][i]).div_(n)
 
     if m > 1:
-        def intra_scatter(k: int, slot: int) -> Callable[[], None]:
+        def intra_scatter(k: int, lane: _Lane) -> Callable[[], None]:
             blocks = [_merged(c) for c in chunks[k]]
-            done = _reduce_exchange(grp.intra_scatter, slot, grp.intra_peers, j, blocks, flat, 0, flat, 0)
+            done = _reduce_exchange(lane, grp.intra_peers, j, blocks, flat, 0, flat, 0)
             return _then(done, lambda: divide(k)) if g == 1 else done
 
         stages.append((grp.intra_scatter, intra_scatter))
     if g > 1:
-        def inter_scatter(k: int, slot: int) -> Callable[[], None]:
+        def inter_scatter(k: int, lane: _Lane) -> Callable[[], None]:
             subs = [[r] for r in chunks[k][j]]
-            done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, subs, flat, 0, flat, 0)
+            done = _reduce_exchange(lane, grp.rail_peers, i, subs, flat, 0, flat, 0)
             return _then(done, lambda: divide(k))
 
-        def inter_gather(k: int, slot: int) -> Callable[[], None]:
-            return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k][j]], flat, 0)
+        def inter_gather(k: int, lane: _Lane) -> Callable[[], None]:
+            return _gather_exchange(lane, grp.rail_peers, i, [[r] for r in chunks[k][j]], flat, 0)
 
         stages += [(grp.inter_scatter, inter_scatter), (grp.inter_gather, inter_gather)]
     if m > 1:
-        def intra_gather(k: int, slot: int) -> Callable[[], None]:
-            return _gather_exchange(grp.intra_gather, slot, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
+        def intra_gather(k: int, lane: _Lane) -> Callable[[], None]:
+            return _gather_exchange(lane, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
                                     flat, 0)
 
         stages.append((grp.intra_gather, intra_gather))
@@ -664,7 +809,7 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum"
         _record(meter, "reduce_scatter", INTRA, intra * es)
         _record(meter, "all_reduce", INTER, inter * es)
         _record(meter, "all_gather", INTRA, (m - 1) * own_block * es)
-    return _finish(_Job(stages, len(chunks)).start(), async_op)
+    return _run(stages, len(chunks), grp, config.single_thread, flat, async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, *, op: ReduceOp = "sum",
@@ -704,11 +849,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         by_rank = [by_position[grp.rank_order.index(r)] for r in range(n)]
         _record(meter, "reduce_scatter", INTER, sum(_size(by_rank[r]) for r in range(n) if r != topology.rank) * es)
 
-        def run_flat(_: int, slot: int) -> Callable[[], None]:
-            done = _reduce_exchange(grp.flat, slot, list(range(n)), topology.rank, by_rank, full, 0, out, shard[0])
+        def run_flat(_: int, lane: _Lane) -> Callable[[], None]:
+            done = _reduce_exchange(lane, list(range(n)), topology.rank, by_rank, full, 0, out, shard[0])
             return _then(done, lambda: out.div_(n)) if op == "avg" and n > 1 else done
 
-        return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
+        return _run([(grp.flat, run_flat)], 1, grp, config.single_thread, full, async_op)
 
     chunks = _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
     block = layout_ranges(0, numel, m, g)[j]
@@ -727,15 +872,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
             _view(out, shard[0], chunks[k][j][i]).div_(n)
 
     if m > 1:
-        def intra_scatter(k: int, slot: int) -> Callable[[], None]:
-            done = _reduce_exchange(grp.intra_scatter, slot, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
+        def intra_scatter(k: int, lane: _Lane) -> Callable[[], None]:
+            done = _reduce_exchange(lane, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
                                     full, 0, work, work_off)
             return _then(done, lambda: divide(k)) if g == 1 else done
 
         stages.append((grp.intra_scatter, intra_scatter))
     if g > 1:
-        def inter_scatter(k: int, slot: int) -> Callable[[], None]:
-            done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, [[r] for r in chunks[k][j]], work,
+        def inter_scatter(k: int, lane: _Lane) -> Callable[[], None]:
+            done = _reduce_exchange(lane, grp.rail_peers, i, [[r] for r in chunks[k][j]], work,
                                     work_off, out, shard[0])
             return _then(done, lambda: divide(k))
 
@@ -746,7 +891,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         inter = sum(_size([c[j][q]]) for c in chunks for q in range(g) if q != i)
         _record(meter, "reduce_scatter", INTRA, intra * es)
         _record(meter, "reduce_scatter", INTER, inter * es)
-    return _finish(_Job(stages, len(chunks)).start(), async_op)
+    return _run(stages, len(chunks), grp, config.single_thread, full, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *, async_op: bool = False,
@@ -786,21 +931,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
         by_rank = [[owners[p % m][p // m]] for p in (grp.rank_order.index(r) for r in range(n))]
         _record(meter, "all_gather", INTER, (n - 1) * _size(by_rank[topology.rank]) * es)
 
-        def run_flat(_: int, slot: int) -> Callable[[], None]:
-            return _gather_exchange(grp.flat, slot, list(range(n)), topology.rank, by_rank, full, 0)
+        def run_flat(_: int, lane: _Lane) -> Callable[[], None]:
+            return _gather_exchange(lane, list(range(n)), topology.rank, by_rank, full, 0)
 
-        return _finish(_Job([(grp.flat, run_flat)], 1).start(), async_op)
+        return _run([(grp.flat, run_flat)], 1, grp, config.single_thread, full, async_op)
 
     chunks = _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
     stages: list[tuple[_Phase, Stage]] = []
     if g > 1:
-        def inter_gather(k: int, slot: int) -> Callable[[], None]:
-            return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k][j]], full, 0)
+        def inter_gather(k: int, lane: _Lane) -> Callable[[], None]:
+            return _gather_exchange(lane, grp.rail_peers, i, [[r] for r in chunks[k][j]], full, 0)
 
         stages.append((grp.inter_gather, inter_gather))
     if m > 1:
-        def intra_gather(k: int, slot: int) -> Callable[[], None]:
-            return _gather_exchange(grp.intra_gather, slot, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
+        def intra_gather(k: int, lane: _Lane) -> Callable[[], None]:
+            return _gather_exchange(lane, grp.intra_peers, j, [_merged(c) for c in chunks[k]],
                                     full, 0)
 
         stages.append((grp.intra_gather, intra_gather))
@@ -808,7 +953,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
     if meter is not None:
         _record(meter, "all_gather", INTER, (g - 1) * sum(_size([c[j][i]]) for c in chunks) * es)
         _record(meter, "all_gather", INTRA, (m - 1) * sum(_size(c[j]) for c in chunks) * es)
-    return _finish(_Job(stages, len(chunks)).start(), async_op)
+    return _run(stages, len(chunks), grp, config.single_thread, full, async_op)
 
 
 # ---------------------------------------------------------------------------------------------------------- rails
@@ -827,7 +972,8 @@ def _rail_groups(groups: HORingGroups, what: str) -> HORingGroups:
 
 
 def rail_reduce_scatter(output: torch.Tensor, input: torch.Tensor, groups: HORingGroups, *, op: ReduceOp = "sum",
-                        async_op: bool = False, chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> HORingWork | None:
+                        async_op: bool = False, chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes,
+                        single_thread: bool | None = None) -> HORingWork | None:
     """Reduce ``input`` over this rank's rail (the g ranks with its local index) and write sub-block ``i`` of the
     result to ``output`` (``i``: this rank's group). Each rank sends ``(g-1)/g`` of the buffer: the ideal volume.
 
@@ -838,6 +984,7 @@ def rail_reduce_scatter(output: torch.Tensor, input: torch.Tensor, groups: HORin
         op: ``"sum"`` or ``"avg"`` (divided by g).
         async_op: return an :class:`HORingWork` at once; touch neither tensor until ``wait()``.
         chunk_bytes: bytes of ``input`` per pipeline chunk; the same on every rank.
+        single_thread: as :attr:`HORingConfig.single_thread`.
     """
     _check_op(op)
     grp = _rail_groups(groups, "reduce_scatter")
@@ -849,16 +996,17 @@ def rail_reduce_scatter(output: torch.Tensor, input: torch.Tensor, groups: HORin
                          f"got {out.numel()} of {out.dtype}.")
     chunks = _rail_chunks(full.numel(), max(1, chunk_bytes // full.element_size()), g)
 
-    def inter_scatter(k: int, slot: int) -> Callable[[], None]:
-        done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, [[r] for r in chunks[k]], full, 0, out,
+    def inter_scatter(k: int, lane: _Lane) -> Callable[[], None]:
+        done = _reduce_exchange(lane, grp.rail_peers, i, [[r] for r in chunks[k]], full, 0, out,
                                 own[0])
         return _then(done, lambda: _view(out, own[0], chunks[k][i]).div_(g)) if op == "avg" else done
 
-    return _finish(_Job([(grp.inter_scatter, inter_scatter)], len(chunks)).start(), async_op)
+    return _run([(grp.inter_scatter, inter_scatter)], len(chunks), grp, single_thread, full, async_op)
 
 
 def rail_all_gather(output: torch.Tensor, input: torch.Tensor, groups: HORingGroups, *, async_op: bool = False,
-                    chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> HORingWork | None:
+                    chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes, single_thread: bool | None = None
+                    ) -> HORingWork | None:
     """Gather the sub-blocks of this rank's rail into ``output``, this rank's (``input``) at sub-block ``i``.
 
     Args:
@@ -867,6 +1015,7 @@ def rail_all_gather(output: torch.Tensor, input: torch.Tensor, groups: HORingGro
         groups: from :func:`create_groups` or :func:`shared_groups`, with g > 1.
         async_op: return an :class:`HORingWork` at once; touch neither tensor until ``wait()``.
         chunk_bytes: bytes of ``output`` per pipeline chunk; the same on every rank.
+        single_thread: as :attr:`HORingConfig.single_thread`.
     """
     grp = _rail_groups(groups, "all_gather")
     full, shard_in = _flat_1d(output, "output"), _flat_1d(input, "input")
@@ -880,14 +1029,15 @@ def rail_all_gather(output: torch.Tensor, input: torch.Tensor, groups: HORingGro
         dst.copy_(shard_in)
     chunks = _rail_chunks(full.numel(), max(1, chunk_bytes // full.element_size()), g)
 
-    def inter_gather(k: int, slot: int) -> Callable[[], None]:
-        return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k]], full, 0)
+    def inter_gather(k: int, lane: _Lane) -> Callable[[], None]:
+        return _gather_exchange(lane, grp.rail_peers, i, [[r] for r in chunks[k]], full, 0)
 
-    return _finish(_Job([(grp.inter_gather, inter_gather)], len(chunks)).start(), async_op)
+    return _run([(grp.inter_gather, inter_gather)], len(chunks), grp, single_thread, full, async_op)
 
 
 def rail_all_reduce(tensor: torch.Tensor, groups: HORingGroups, *, op: ReduceOp = "sum", async_op: bool = False,
-                    chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes) -> HORingWork | None:
+                    chunk_bytes: int = DEFAULT_CONFIG.chunk_bytes, single_thread: bool | None = None
+                    ) -> HORingWork | None:
     """Reduce ``tensor`` in place over this rank's rail: per chunk a reduce-scatter, then an all-gather, the two
     phases of different chunks overlapped. Each rank sends ``2 (g-1)/g`` of the buffer; every rank gets the same bits.
 
@@ -897,6 +1047,7 @@ def rail_all_reduce(tensor: torch.Tensor, groups: HORingGroups, *, op: ReduceOp 
         op: ``"sum"`` or ``"avg"`` (divided by g, once per element by the rank that sums it).
         async_op: return an :class:`HORingWork` at once; do not touch ``tensor`` until ``wait()``.
         chunk_bytes: bytes of ``tensor`` per pipeline chunk; the same on every rank.
+        single_thread: as :attr:`HORingConfig.single_thread`.
     """
     _check_op(op)
     grp = _rail_groups(groups, "all_reduce")
@@ -905,13 +1056,13 @@ def rail_all_reduce(tensor: torch.Tensor, groups: HORingGroups, *, op: ReduceOp 
     step = max(1, chunk_bytes // flat.element_size())
     chunks = [split_range(a, min(a + step, flat.numel()), g) for a in range(0, flat.numel(), step)]
 
-    def inter_scatter(k: int, slot: int) -> Callable[[], None]:
-        done = _reduce_exchange(grp.inter_scatter, slot, grp.rail_peers, i, [[r] for r in chunks[k]], flat, 0, flat,
+    def inter_scatter(k: int, lane: _Lane) -> Callable[[], None]:
+        done = _reduce_exchange(lane, grp.rail_peers, i, [[r] for r in chunks[k]], flat, 0, flat,
                                 0)
         return _then(done, lambda: _view(flat, 0, chunks[k][i]).div_(g)) if op == "avg" else done
 
-    def inter_gather(k: int, slot: int) -> Callable[[], None]:
-        return _gather_exchange(grp.inter_gather, slot, grp.rail_peers, i, [[r] for r in chunks[k]], flat, 0)
+    def inter_gather(k: int, lane: _Lane) -> Callable[[], None]:
+        return _gather_exchange(lane, grp.rail_peers, i, [[r] for r in chunks[k]], flat, 0)
 
-    return _finish(_Job([(grp.inter_scatter, inter_scatter), (grp.inter_gather, inter_gather)], len(chunks)).start(),
-                   async_op)
+    return _run([(grp.inter_scatter, inter_scatter), (grp.inter_gather, inter_gather)], len(chunks), grp,
+                single_thread, flat, async_op)

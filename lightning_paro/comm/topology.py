@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_paro.comm.group_cache import cached_groups
+from lightning_paro.comm.group_cache import cached_groups, default_timeout
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -100,14 +100,15 @@ class ProcessGroups:
     @classmethod
     def create(cls, topo: Topology) -> ProcessGroups:
         # new_group is collective over the default group: every rank creates every group in the same order.
-        world = dist.new_group(list(range(topo.world_size)))
+        timeout = default_timeout()
+        world = dist.new_group(list(range(topo.world_size)), timeout=timeout)
         intra = rail = None
         for i in range(topo.num_groups):
-            g = dist.new_group(topo.intra_ranks(i)) if topo.group_size > 1 else None
+            g = dist.new_group(topo.intra_ranks(i), timeout=timeout) if topo.group_size > 1 else None
             if i == topo.group_index:
                 intra = g
         for j in range(topo.group_size):
-            g = dist.new_group(topo.rail_ranks(j)) if topo.num_groups > 1 else None
+            g = dist.new_group(topo.rail_ranks(j), timeout=timeout) if topo.num_groups > 1 else None
             if j == topo.local_index:
                 rail = g
         return cls(world=world, intra=intra, rail=rail)
