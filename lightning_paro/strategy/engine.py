@@ -49,7 +49,7 @@ class Unit:
         self.name = name
         self.module = module
         self.flats = flats
-        self.gather_handle: CommHandle | None = None
+        self.gather_handles: list[CommHandle] = []
         self.backward_started = False
         self.backward_done = False
 
@@ -67,16 +67,18 @@ class Unit:
 
     def gather(self, async_op: bool) -> None:
         """Start (or finish) gathering this unit's parameters."""
-        if self.gather_handle is None and not all(f.gathered for f in self.flats):
+        if not self.gather_handles and not all(f.gathered for f in self.flats):
             handles = [f.gather_params(async_op=True) for f in self.flats]
-            self.gather_handle = next((h for h in reversed(handles) if h is not None), None)
+            self.gather_handles = [h for h in handles if h is not None]
         if not async_op:
             self.wait_gather()
 
     def wait_gather(self) -> None:
-        if self.gather_handle is not None:
-            self.gather_handle.wait()  # collectives complete in order: the last one implies the others
-            self.gather_handle = None
+        # Each handle answers for its own collective: a failed gather raises here instead of leaving a flat group
+        # marked gathered over memory that holds no parameters.
+        handles, self.gather_handles = self.gather_handles, []
+        for handle in handles:
+            handle.wait()
 
     def ensure_ready(self) -> None:
         self.wait_param_sync()
@@ -151,7 +153,7 @@ class PaROEngine:
         self.root: Unit = self.units[-1]
         self._adopt_optimizers()
         self._register_hooks()
-        _broadcast_buffers(module)
+        _broadcast_buffers(module, comm)
 
     # ------------------------------------------------------------------ construction
     def _build_units(self, policy: UnitPolicy, master_dtype: torch.dtype | None) -> list[Unit]:
@@ -296,7 +298,7 @@ class PaROEngine:
         # Which parameters got a gradient on any rank: those that did not keep their value and optimizer state
         # through the step, as torch optimizers skip parameters whose .grad is None.
         if flats:
-            used = torch.cat([f.used for f in flats])
+            used = torch.cat([f.used for f in flats])  # on the compute device, where the flags live
             self.comm.scalar_all_reduce(used, "global")
             for f, u in zip(flats, used.split([len(f.slots) for f in flats])):
                 f.set_unused(u)
@@ -343,7 +345,9 @@ class PaROEngine:
         group for OS = I, nobody for OS = N): reducing over replicas would count them several times.
         """
         grads = [p.grad for p in self.masters(optimizer) if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+        # On the compute device even when this rank holds no gradient: the sum is all-reduced.
+        device = grads[0].device if grads else next((f.device for f in self.flat_groups()), self.comm.device)
+        sq = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             sq += g.detach().float().pow(2).sum()
         if self.spec.optim != Level.N:
@@ -507,10 +511,13 @@ def _check_module(module: nn.Module) -> None:
             )
 
 
-def _broadcast_buffers(module: nn.Module) -> None:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        for b in module.buffers():
-            torch.distributed.broadcast(b, src=0)
+def _broadcast_buffers(module: nn.Module, comm: Communicator) -> None:
+    """Every rank starts from rank 0's buffers: broadcast on the communication thread, like every collective of the
+    engine, all issued at once and each waited for."""
+    if torch.distributed.is_initialized() and comm.topology.world_size > 1:
+        handles = [comm.broadcast(b, src=0, async_op=True) for b in module.buffers()]
+        for handle in handles:
+            handle.wait()
 
 
 def _mark_used(flags: torch.Tensor, index: int):

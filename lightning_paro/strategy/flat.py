@@ -77,7 +77,7 @@ class FlatGroup:
             for s in slots:
                 full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         if torch.distributed.is_initialized() and comm.topology.world_size > 1:
-            torch.distributed.broadcast(full, src=0)
+            comm.broadcast(full, src=0)  # on the communication thread, like every collective of the strategy
 
         p0, p1 = self.layout.range(spec.params)
         self.p_local = full if spec.params == Level.N else full[p0:p1].clone()
@@ -97,8 +97,9 @@ class FlatGroup:
         """The gradient accumulated at level G across micro-steps (G != N)."""
         self.master: nn.Parameter | None = None
         """This rank's optimizer shard (level OS); the optimizer updates it."""
-        self.used = torch.zeros(len(slots), dtype=torch.int32)
-        """Which parameters received a gradient since the last optimizer step (on this rank)."""
+        self.used = torch.zeros(len(slots), dtype=torch.int32, device=self.device)
+        """Which parameters received a gradient since the last optimizer step (on this rank). On the compute device:
+        it is all-reduced once per step, and an NCCL group carries no CPU tensor."""
         self.frozen_ranges: list[tuple[int, int]] = []
         """Ranges of the optimizer shard that no rank produced a gradient for: the step must leave them alone."""
         self.pending_reduce: CommHandle | None = None
@@ -151,7 +152,8 @@ class FlatGroup:
         p0, _ = self.layout.range(self.spec.params)
         shard, local = self.p_full[p0:p0 + self.p_local.numel()], self.p_local
         # The copy runs on the communication thread, after any parameter sync still writing p_local.
-        self.comm.submit(lambda: shard.copy_(local), async_op=True)
+        self.comm.submit(lambda: shard.copy_(local), async_op=True, what="parameter copy before all_gather",
+                         scope=_SCOPE[self.spec.params])
         return self.comm.all_gather(self.p_full, shard, _SCOPE[self.spec.params], async_op=async_op)
 
     def free_params(self) -> None:
@@ -194,7 +196,9 @@ class FlatGroup:
             g_shard.add_(tmp)
             free_storage(g_full)
 
-        self.pending_reduce = self.comm.submit(accumulate)
+        # Queued behind the reduce-scatter: if that fails, this never runs (tmp holds no gradient then).
+        self.pending_reduce = self.comm.submit(accumulate, what="gradient accumulation after reduce_scatter",
+                                               scope=_SCOPE[self.spec.grads])
 
     def sync_grads(self) -> torch.Tensor:
         """Once per optimizer step: bring the accumulated gradient to level OS, averaged over all n ranks."""
