@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
 from contextlib import contextmanager
@@ -15,10 +16,10 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -38,7 +39,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_paro.comm.accounting import TrafficMeter
-from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
+from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator, comm_thread, run_on_comm_thread
 from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
 from lightning_paro.strategy import checkpoint as ckpt
@@ -74,8 +75,11 @@ class PaROStrategy(ParallelStrategy):
             consolidated file, loadable by ``LightningModule.load_from_checkpoint`` and by ``"ddp"``.
         start_method: ``"popen"`` (Lightning's subprocess launcher, like ``"ddp"``), ``"spawn"``, ``"fork"`` or
             ``"forkserver"``.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; defaults to the device's.
-        timeout: collective timeout.
+        process_group_backend: kept as given; by default the device's backend, with gloo beside it for CPU tensors on
+            an accelerator (``"cuda:nccl,cpu:gloo"``), plain gloo on CPU.
+        timeout: how long a collective waits for its peers; every group the strategy creates gets it. When a
+            collective fails (a peer raised, died, or stopped issuing collectives for this long), every surviving rank
+            raises :class:`~lightning_paro.comm.collectives.CollectiveError` naming the operation and scope.
     """
 
     strategy_name = "paro"
@@ -217,12 +221,16 @@ class PaROStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device)
+        if self._process_group_backend is None:  # an explicit backend is kept as given
+            self._process_group_backend = default_process_group_backend(self.root_device)
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        initialised_here = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if initialised_here and "nccl" in self._process_group_backend and self._process_group_backend != "nccl":
+            # As Lightning does for plain "nccl" (torch warns at exit about an NCCL group left undestroyed).
+            atexit.register(_destroy_dist_connection)
         topo = Topology(world_size=self.world_size, group_size=self.group_size, rank=self.global_rank)
         if self._topology is None or (topo.world_size, topo.group_size, topo.rank) != (
                 self._topology.world_size, self._topology.group_size, self._topology.rank):
@@ -519,29 +527,38 @@ class PaROStrategy(ParallelStrategy):
                               self.engine.num_params() if self.engine is not None else {})
 
     # ------------------------------------------------------------------ collectives for Lightning
+    # Each runs on the engine's communication thread, after the collectives issued before it: it never runs beside
+    # them (which NCCL needs), and a failure raises CollectiveError ("PaRO strategy.barrier over scope 'global'
+    # failed: ...") within the process group's timeout instead of hanging.
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
+            self._on_comm_thread(lambda: dist.barrier(device_ids=[self.root_device.index]), "strategy.barrier")
         else:
-            dist.barrier()
+            self._on_comm_thread(dist.barrier, "strategy.barrier")
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        self._on_comm_thread(lambda: dist.broadcast_object_list(holder, src, group=_group.WORLD),
+                             "strategy.broadcast")
         return holder[0]
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        return self._on_comm_thread(lambda: _all_reduce(tensor, group, reduce_op), "strategy.reduce")
+
+    def _on_comm_thread(self, fn: Callable[[], Any], what: str) -> Any:
+        if self._topology is None:  # before set-up: no engine, so nothing to run beside
+            return fn()
+        return run_on_comm_thread(comm_thread(self._topology, self.root_device), fn, what)
 
     # ------------------------------------------------------------------ pickling (spawn start methods)
     @override
@@ -561,10 +578,15 @@ class PaROStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
+        # Lightning tears down next; the failure may be a collective, or peers may be inside one that will not end.
         self._failed = True
 
     @override
     def teardown(self) -> None:
+        if self._failed:
+            self._failed = False
+            self._teardown_after_failure()
+            return
         if self.engine is not None and not self._failed:
             # Leave every unit gathered: the module's weights are readable after fit, as after "ddp", while the
             # shards (and optimizer states) stay in place for `trainer.save_checkpoint` after fit. The next stage
@@ -574,6 +596,16 @@ class PaROStrategy(ParallelStrategy):
         self._failed = False
         super().teardown()
 
+    def _teardown_after_failure(self) -> None:
+        """Strategy.teardown without what needs peers or intact shards: no collective (gathering the module waits for
+        ranks that may be gone), and the module and optimizer states stay where they are (sharded parameters hold no
+        storage to move). The process can then exit with the error."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -581,3 +613,34 @@ class PaROStrategy(ParallelStrategy):
         for name in VALID_STRATEGIES:
             strategy_registry.register(f"paro_{name.lower()}", cls, description=f"PaRO-DP strategy {name}",
                                        sharding=name)
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """The backend the strategy initialises the default group with: the device's own (NCCL on CUDA) with gloo beside
+    it for CPU tensors (``"cuda:nccl,cpu:gloo"``), which Lightning's object broadcasts and any CPU tensor handed to a
+    collective need; plain gloo on CPU."""
+    own = _get_default_process_group_backend_for_device(device)
+    if device.type == "cpu" or own == "gloo" or not dist.is_gloo_available():
+        return own
+    return f"{device.type}:{own},cpu:gloo"
+
+
+def _all_reduce(tensor: Tensor, group: Optional[Any], reduce_op: Optional[Union[ReduceOp, str]]) -> Tensor:
+    """Lightning's reduce (its ``_sync_ddp``) in place, with a mean taken as a sum divided by the group size on every
+    backend (gloo has no AVG, and a CPU tensor goes to gloo under a ``"cuda:nccl,cpu:gloo"`` backend), and without
+    the barrier before it (the all-reduce waits for every rank anyway)."""
+    group = dist.group.WORLD if group is None else group
+    mean = False
+    if isinstance(reduce_op, str):
+        mean = reduce_op.lower() in ("mean", "avg")
+        op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, reduce_op.upper())
+    elif reduce_op is None or reduce_op == dist.ReduceOp.AVG:
+        mean = reduce_op is not None
+        op = dist.ReduceOp.SUM
+    else:
+        op = reduce_op
+    dist.all_reduce(tensor, op=op, group=group)
+    if not mean:
+        return tensor
+    size = dist.get_world_size(group)
+    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
