@@ -17,9 +17,12 @@ def test_demo_runs_end_to_end(tmp_path):
     out = proc.stdout
     assert "demo summary: paro IIG" in out
     assert "between groups" in out and "model states on rank 0" in out
-    assert "held-out files scored" in out
-    from lightning_paro.predict import read_predictions
+    assert "validation at the end of fit" in out and "predict: the first 4096 bytes of each of the" in out
+    import pandas as pd
 
-    table = read_predictions(tmp_path / "predictions")
-    assert table.num_rows > 0 and "bits_per_byte" in table.column_names
+    table = pd.read_parquet(tmp_path / "predictions")
+    assert len(table) > 0 and {"path", "bits_per_byte", "bytes_scored"} <= set(table.columns)
     assert (tmp_path / "weights.ckpt").exists()
+    # the plot beside the summary: a PNG, named in the summary
+    plot = tmp_path / "summary.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot         {plot}" in out

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lightning_paro.cli.compose import load_config
-from lightning_paro.cli.task import GPTTask
+from lightning_paro.cli.build import build_model
 from lightning_paro.strategy.auto import workload_from_module
 from lightning_paro.strategy.cost_model import Cluster, Compute, Link, predict
 from lightning_paro.strategy.levels import VALID_STRATEGIES
@@ -52,10 +52,10 @@ def model_overrides(data: dict) -> list[str]:
 
 def workload(data: dict):
     cfg = load_config(model_overrides(data))
-    module = GPTTask(cfg.model)
+    module = build_model(cfg)
     optimizer = module.configure_optimizers()
     return module, optimizer, workload_from_module(module, [optimizer], "auto", data["accumulation"],
-                                                   cfg.data.batch_size * cfg.model.seq_len)
+                                                   cfg.data["batch_size"] * cfg.model["seq_len"])
 
 
 def update_bandwidth(module: torch.nn.Module, optimizer: torch.optim.Optimizer, repeats: int = 5,

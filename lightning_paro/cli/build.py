@@ -1,8 +1,10 @@
-"""Objects from a checked config: the strategy, the Trainer, the model. Plain functions, no side effects."""
+"""Objects from a checked config: the strategy, the Trainer, the model and the data. Plain functions, no side effects
+beyond seeding (build_model)."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -13,7 +15,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from lightning_paro import VALID_STRATEGIES, PaROStrategy
 from lightning_paro.strategy.auto import AutoConfig
 from lightning_paro.strategy.cost_model import Link
+from lightning_paro.cli import targets
 from lightning_paro.cli.compose import world_size
+from lightning_paro.cli.progress import StepProgressBar
 from lightning_paro.cli.schema import (
     Config,
     ConfigError,
@@ -21,13 +25,13 @@ from lightning_paro.cli.schema import (
     FSDP2StrategyConfig,
     ParoStrategyConfig,
 )
-from lightning_paro.cli.task import GPTTask
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy as pure data parallelism with FSDP2: the model shards itself over
-    :meth:`fsdp_mesh` in ``configure_model``. With ``group_size`` set it is HSDP: shards inside groups of that many
-    ranks, replicas across groups."""
+    """Lightning's ModelParallelStrategy as pure data parallelism with FSDP2, for any LightningModule: unless the
+    model sharded itself in ``configure_model`` (over :meth:`fsdp_mesh`), ``fully_shard`` is applied here to its
+    repeated blocks (the units PaRO would pick) and then to the whole model. With ``group_size`` set it is HSDP:
+    shards inside groups of that many ranks, replicas across groups."""
 
     def __init__(self, world: int, group_size: Optional[int] = None, reshard_after_forward: bool = True,
                  **kwargs: Any) -> None:
@@ -44,6 +48,34 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         return init_device_mesh(self.root_device.type, (self.world_size // self.group_size, self.group_size),
                                 mesh_dim_names=("replicate", "shard"))
+
+    def setup(self, trainer: L.Trainer) -> None:
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        from lightning_paro.strategy.units import find_units
+
+        module = self.lightning_module
+        if not any(isinstance(p, DTensor) for p in module.parameters()):
+            mesh = self.fsdp_mesh()
+            for _, unit in find_units(module, "auto"):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        if is_overridden("configure_model", module):
+            super().setup(trainer)
+            return
+        # ModelParallelStrategy refuses a model without its own configure_model hook, as the model is expected to
+        # shard itself there; this one was sharded above, so the hook is made to look overridden while it checks
+        module.configure_model = _nothing
+        try:
+            super().setup(trainer)
+        finally:
+            del module.configure_model
+
+
+def _nothing() -> None:
+    return None
 
 
 def _units(names: Any) -> Any:
@@ -79,8 +111,10 @@ def build_strategy(cfg: Config) -> Strategy:
         world = world_size(cfg.trainer)
         if world is None:
             raise ConfigError("trainer.devices",
-                              f"strategy={s.name} needs a number of devices, not {cfg.trainer.devices!r}")
-        group = (s.group_size or cfg.trainer.devices) if s.name == "hsdp" else None
+                              f"strategy={s.name} needs a number of devices, not {cfg.trainer.get('devices')!r}")
+        devices = cfg.trainer.get("devices")
+        per_node = len(devices) if isinstance(devices, list) else devices
+        group = (s.group_size or per_node) if s.name == "hsdp" else None
         if group is not None and world % group:
             raise ConfigError("strategy.group_size", f"{group} does not divide the world size {world}")
         return FSDP2Strategy(world, group_size=group, reshard_after_forward=s.reshard_after_forward,
@@ -88,42 +122,90 @@ def build_strategy(cfg: Config) -> Strategy:
     raise ConfigError("strategy.name", f"no strategy is built for {type(s).__name__}")
 
 
-def build_trainer(cfg: Config, *, callbacks: Sequence[L.Callback] = (), logger: Any = False,
-                  max_steps: Optional[int] = None, validate: bool = True, **overrides: Any) -> L.Trainer:
-    """A Trainer with the ``trainer`` group's arguments and the configured strategy.
+def build_trainer(cfg: Config, *, callbacks: Sequence[L.Callback] = (), user_callbacks: bool = True,
+                  loggers: bool = True, max_steps: Optional[int] = None, validate: bool = True,
+                  **overrides: Any) -> L.Trainer:
+    """A Trainer with the ``trainer`` group's arguments as they are, the configured strategy, the ``callbacks`` and
+    ``logger`` groups' objects (unless ``user_callbacks``/``loggers`` is False), ``callbacks`` of the command and
+    ``run.dir`` as the root directory.
 
-    Validation (when ``validate`` and limit_val_batches allows it) runs once, after the last optimizer step:
-    ``val_check_interval`` counts micro-batches across epochs, so short runs on small data still reach it.
+    With a progress bar, the command line's :class:`StepProgressBar` replaces Lightning's unless a progress bar is
+    among the callbacks; ``enable_checkpointing`` follows whether a ModelCheckpoint is among them, unless set.
     """
-    t = cfg.trainer
-    steps = max_steps if max_steps is not None else t.max_steps
-    run_val = validate and t.limit_val_batches not in (0, 0.0)
-    kwargs: dict[str, Any] = dict(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, precision=t.precision,
-        strategy=build_strategy(cfg), max_steps=steps, max_epochs=-1,
-        accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
-        log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
-        deterministic=t.deterministic, logger=logger, callbacks=list(callbacks), enable_checkpointing=False,
-        default_root_dir=cfg.run.dir, enable_model_summary=False,
-        limit_val_batches=t.limit_val_batches if run_val else 0,
-        num_sanity_val_steps=0,
-    )
-    if run_val:
-        kwargs.update(val_check_interval=steps * t.accumulate_grad_batches, check_val_every_n_epoch=None)
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+
+    kwargs: dict[str, Any] = dict(cfg.trainer)
+    chosen = targets.instantiate_nodes("callbacks", cfg.callbacks) if user_callbacks else []
+    everything = [*chosen, *callbacks]
+    if kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in everything):
+        everything.append(StepProgressBar())
+    kwargs.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in everything))
+    logger_objects = targets.instantiate_nodes("logger", cfg.logger) if loggers else []
+    kwargs.update(strategy=build_strategy(cfg), callbacks=everything, logger=logger_objects or False,
+                  default_root_dir=cfg.run.dir)
+    if max_steps is not None:
+        kwargs["max_steps"] = max_steps
+    if not validate:
+        kwargs["limit_val_batches"] = 0
     kwargs.update(overrides)
     try:
         return L.Trainer(**kwargs)
-    except (ValueError, MisconfigurationException) as exc:
+    except (ValueError, TypeError, MisconfigurationException) as exc:
         # Raised while Lightning resolves accelerator, devices and strategy, before any process starts: these are
         # the trainer group's values not fitting this machine or each other (e.g. no GPU, a group size that does
         # not divide the devices "auto" found).
         raise ConfigError("trainer", str(exc).strip().splitlines()[0]) from None
 
 
-def build_model(cfg: Config) -> GPTTask:
-    """The model, initialised from ``run.seed`` (every rank builds the same weights)."""
+def build_model(cfg: Config) -> L.LightningModule:
+    """The ``model`` node's LightningModule, initialised from ``run.seed`` (every rank builds the same weights)."""
     L.seed_everything(cfg.run.seed, verbose=False)
-    return GPTTask(cfg.model)
+    model = targets.instantiate("model", cfg.model)
+    if not isinstance(model, L.LightningModule):
+        raise ConfigError("model._target_", f"{cfg.model['_target_']} built a {type(model).__name__}, not a"
+                                            " LightningModule")
+    return model
+
+
+@dataclass
+class Data:
+    """What the ``data`` node built: a LightningDataModule, dataloaders by stage, or nothing (the model's hooks)."""
+
+    datamodule: Optional[L.LightningDataModule] = None
+    """The datamodule, when the node built one."""
+    loaders: dict[str, Any] = field(default_factory=dict)
+    """train/val/test/predict -> dataloader, when the node built those."""
+
+    def fit_kwargs(self) -> dict[str, Any]:
+        if self.datamodule is not None:
+            return {"datamodule": self.datamodule}
+        if self.loaders:
+            if "train" not in self.loaders:
+                raise ConfigError("data.train", "fit needs a train dataloader (data.train._target_=...)")
+            return {"train_dataloaders": self.loaders["train"], "val_dataloaders": self.loaders.get("val")}
+        return {}
+
+    def predict_kwargs(self) -> dict[str, Any]:
+        if self.datamodule is not None:
+            return {"datamodule": self.datamodule}
+        if self.loaders:
+            if "predict" not in self.loaders:
+                raise ConfigError("data.predict", "predict needs a predict dataloader (data.predict._target_=...)")
+            return {"dataloaders": self.loaders["predict"]}
+        return {}
+
+
+def build_data(cfg: Config) -> Data:
+    """The ``data`` node's objects."""
+    node = cfg.data
+    if node is None:
+        return Data()
+    if targets.is_target_node(node):
+        built = targets.instantiate("data", node)
+        if isinstance(built, L.LightningDataModule):
+            return Data(datamodule=built)
+        return Data(loaders={"train": built})  # a single dataloader: the training data
+    return Data(loaders={key: targets.instantiate(f"data.{key}", sub) for key, sub in node.items() if sub is not None})
 
 
 def strategy_label(cfg: Config) -> str:

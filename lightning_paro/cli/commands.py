@@ -1,7 +1,8 @@
-"""The ``fit``, ``predict`` and ``bench`` commands: thin functions over the builders and two reporting callbacks.
+"""The ``fit``, ``predict`` and ``bench`` commands: thin functions over the builders and a few reporting callbacks.
 
 Reports are produced inside the training processes (in ``on_train_end`` on global rank 0), so they are the same
-whichever way the processes were started: Lightning's subprocess launcher, spawn, or torchrun.
+whichever way the processes were started: Lightning's subprocess launcher, spawn, or torchrun. Nothing here knows
+the model: losses come from what ``training_step`` returns, batch sizes from the batches.
 """
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
+from omegaconf import OmegaConf
 
 import lightning as L
-from lightning_paro.cli.build import build_model, build_trainer, strategy_label
+from lightning_paro.cli.build import build_data, build_model, build_trainer, strategy_label
 from lightning_paro.cli.schema import Config, ConfigError
-from lightning_paro.cli.task import CHECKPOINT_MODEL_KEY, FileBytes, GPTTask, split_files, train_loaders
 
 WEIGHTS_FILE = "weights.ckpt"
 SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.yaml"
 BENCH_FILE = "bench.json"
 PREDICT_FILE = "predict.json"
 PREDICTIONS_DIR = "predictions"
@@ -46,6 +47,43 @@ def predictions_dir(cfg: Config) -> Path:
         path = Path(cfg.predict.output_dir).expanduser()
         return path if path.is_absolute() else Path.cwd() / path
     return Path(cfg.run.dir) / PREDICTIONS_DIR
+
+
+def config_yaml(cfg: Config) -> str:
+    """The composed config as YAML (what fit saves beside its checkpoint, and --cfg prints)."""
+    import dataclasses
+
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))
+
+
+class LossRecorder(L.Callback):
+    """Every micro-batch's training loss (as training_step returned it), grouped by the optimizer step it is part of.
+
+    Under automatic optimization Lightning hands callbacks the loss divided by accumulate_grad_batches; it is scaled
+    back, so a step's value is the mean of its micro-batch losses whatever the accumulation.
+    """
+
+    def __init__(self) -> None:
+        self.micro: list[tuple[int, float]] = []
+        """(optimizer step index, loss) per micro-batch, on this rank."""
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if not torch.is_tensor(loss):
+            return  # training_step returned None (a skipped batch) or no loss
+        scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        self.micro.append((self._step, float(loss.detach()) * scale))
+
+    def per_step(self) -> list[float]:
+        """Mean loss of each optimizer step, in order."""
+        steps: dict[int, list[float]] = {}
+        for step, value in self.micro:
+            steps.setdefault(step, []).append(value)
+        return [sum(v) / len(v) for _, v in sorted(steps.items())]
 
 
 def _processes(n: int) -> str:
@@ -77,11 +115,17 @@ def _strategy_stats(strategy: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- fit
+def _metrics(trainer: L.Trainer, prefix: str) -> dict[str, float]:
+    return {k: float(v) for k, v in sorted(trainer.callback_metrics.items())
+            if k.startswith(prefix) and torch.is_tensor(v) and v.numel() == 1}
+
+
 class FitReport(L.Callback):
     """On global rank 0 at the end of training: prints the strategy's summary and writes summary.json."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, losses: LossRecorder) -> None:
         self.cfg = cfg
+        self.losses = losses
         self.started = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -90,39 +134,46 @@ class FitReport(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        micro = list(getattr(pl_module, "step_losses", []))
-        per = self.cfg.trainer.accumulate_grad_batches
-        step_losses = [sum(micro[i:i + per]) / len(micro[i:i + per]) for i in range(0, len(micro), per)]
-        val = trainer.callback_metrics.get("val_bits_per_byte")
+        step_losses = self.losses.per_step()
+        validation = _metrics(trainer, "val")
+        history = getattr(trainer.strategy, "traffic_history", None) or []
         summary = {
             "strategy": strategy_label(self.cfg),
+            "model": self.cfg.model.get("_target_"),
             "world_size": trainer.world_size,
             "optimizer_steps": trainer.global_step,
             "seconds": round(time.perf_counter() - self.started, 2),
             "loss_per_step_rank0": step_losses,
-            "val_bits_per_byte": float(val) if val is not None else None,
+            "validation": validation,
             "checkpoint": str(Path(self.cfg.run.dir) / WEIGHTS_FILE),
             "logs": trainer.logger.log_dir if trainer.logger is not None else None,
             **_strategy_stats(trainer.strategy),
         }
+        if history:
+            summary["traffic_per_step_rank0"] = {"intra": [t.intra for t in history],
+                                                 "inter": [t.inter for t in history]}
         run_dir = Path(self.cfg.run.dir)
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         if hasattr(trainer.strategy, "summary"):
             print("\n" + trainer.strategy.summary(), flush=True)
         first, last = (step_losses[0], step_losses[-1]) if step_losses else (float("nan"), float("nan"))
+        shown = "".join(f", {k} {v:.3f}" for k, v in validation.items())
         print(f"\n{summary['strategy']} on {_processes(summary['world_size'])}: {trainer.global_step} optimizer"
-              f" steps in {summary['seconds']} s, loss {first:.3f} -> {last:.3f} (rank 0)"
-              + (f", held-out bits per byte {summary['val_bits_per_byte']:.3f}" if val is not None else ""), flush=True)
+              f" steps in {summary['seconds']} s, loss {first:.3f} -> {last:.3f} (rank 0){shown}", flush=True)
 
 
 def fit(cfg: Config) -> None:
-    """Train, save the weights to run.dir/weights.ckpt, report in run.dir/summary.json."""
+    """Train, save the weights to run.dir/weights.ckpt and the composed config to run.dir/config.yaml, report in
+    run.dir/summary.json."""
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(cfg, callbacks=[FitReport(cfg)], logger=CSVLogger(str(run_dir), name="logs"))
     model = build_model(cfg)
-    train, val = train_loaders(cfg.data, cfg.model.seq_len)
-    trainer.fit(model, train, val)
+    data = build_data(cfg)
+    losses = LossRecorder()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(cfg, callbacks=[losses, FitReport(cfg, losses)])
+    if trainer.global_rank == 0:
+        (run_dir / CONFIG_FILE).write_text(config_yaml(cfg))
+    trainer.fit(model, **data.fit_kwargs())
     ckpt = run_dir / WEIGHTS_FILE
     trainer.save_checkpoint(ckpt, weights_only=True)  # collective under sharding strategies: every rank calls it
     if trainer.global_rank == 0:
@@ -150,32 +201,53 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def load_weights(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
-    """The model weights of a checkpoint written by fit; refuses one trained with another model shape."""
+def _trained_model_node(path: Path) -> Optional[dict]:
+    """The model node a checkpoint was trained with, from the config.yaml fit wrote beside it (or one level up, for
+    ModelCheckpoint's checkpoints/ directory)."""
+    for directory in (path.parent, path.parent.parent):
+        saved = directory / CONFIG_FILE
+        if saved.is_file():
+            node = OmegaConf.to_container(OmegaConf.load(saved)).get("model")
+            return node if isinstance(node, dict) else None
+    return None
+
+
+def load_weights(model: torch.nn.Module, path: Path, cfg: Config) -> None:
+    """Loads the weights (the state_dict) of a checkpoint into ``model``; a checkpoint of another model or shape is
+    refused in one line, naming the model keys it was trained with when fit's config.yaml is beside it."""
     if not path.exists():
         raise ConfigError("predict.checkpoint", f"{path} does not exist; run fit with the same run.dir first, or"
                                                 " set predict.checkpoint=PATH")
     checkpoint = read_checkpoint(path)
-    trained = checkpoint.get(CHECKPOINT_MODEL_KEY) or {}
-    # the learning rate does not change the weights' shapes; everything else must match to load them
-    differ = [key for key, value in trained.items() if key != "lr" and getattr(cfg.model, key, None) != value]
-    if differ:
-        ours = " ".join(f"model.{key}={getattr(cfg.model, key, None)}" for key in differ)
-        theirs = " ".join(f"model.{key}={trained[key]}" for key in differ)
-        raise ConfigError(f"model.{differ[0]}", f"{ours} but {path} was trained with {theirs}; pass {theirs}")
-    return checkpoint["state_dict"]
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict):
+        raise ConfigError("predict.checkpoint", f"{path} has no state_dict: not a Lightning checkpoint")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        trained = _trained_model_node(path) or {}
+        differ = [k for k, v in trained.items() if cfg.model.get(k) != v]
+        if differ:
+            ours = " ".join(f"model.{k}={cfg.model.get(k)}" for k in differ)
+            theirs = " ".join(f"model.{k}={trained[k]}" for k in differ)
+            raise ConfigError(f"model.{differ[0]}", f"{ours} but {path} was trained with {theirs}; pass {theirs}"
+                              ) from None
+        reason = " ".join(str(exc).split())[:300]
+        raise ConfigError("predict.checkpoint", f"{path} does not fit model ({cfg.model.get('_target_')}):"
+                                                f" {reason}") from None
 
 
 def _predict_device(cfg: Config) -> Any:
     """One device per worker: under torchrun (LOCAL_RANK set) each worker takes its own GPU, not all the first."""
     local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None and cfg.trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+    if local_rank is not None and cfg.trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return [int(local_rank)]
     return 1
 
 
 def predict(cfg: Config) -> Optional[dict]:
-    """Score the held-out files with the fitted weights; per-file bits per byte go to Parquet via ElasticPredict.
+    """Predict the data's predict dataloader with the checkpoint's weights; ElasticPredict writes the rows
+    predict_step returns to Parquet (or JSONL) in predict.output_dir.
 
     Each process is one elastic worker on one device: start more (torchrun, a scheduler, another shell) with the
     same config to share the job; the last one to finish writes the manifest.
@@ -183,46 +255,51 @@ def predict(cfg: Config) -> Optional[dict]:
     from lightning_paro.predict import ElasticPredict, read_predictions
 
     ckpt, out = checkpoint_path(cfg), predictions_dir(cfg)
-    model = GPTTask(cfg.model)
-    model.load_state_dict(load_weights(ckpt, cfg))
-    _, held_out = split_files(cfg.data)
-    p = cfg.predict
-    loader = DataLoader(FileBytes(held_out, cfg.model.seq_len, p.max_bytes_per_file), batch_size=p.batch_size,
-                        num_workers=cfg.data.num_workers)
+    model = build_model(cfg)
+    load_weights(model, ckpt, cfg)
+    data = build_data(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    elastic = ElasticPredict(output_dir=str(out), id_column="path", shard_size=p.shard_size, format=p.format,
-                             ledger=p.ledger, lease_ttl_s=p.lease_ttl_s, max_failed_rows=p.max_failed_rows)
-    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=_predict_device(cfg),
-                        precision=cfg.trainer.precision, logger=False, callbacks=[elastic],
-                        enable_progress_bar=cfg.trainer.enable_progress_bar, enable_model_summary=False,
-                        enable_checkpointing=False)
-    trainer.predict(model, dataloaders=loader)
+    started = time.perf_counter()
+    elastic = ElasticPredict(output_dir=str(out), **cfg.predict.elastic_options())
+    t = cfg.trainer
+    trainer = L.Trainer(accelerator=t.get("accelerator", "auto"), devices=_predict_device(cfg),
+                        precision=t.get("precision", "32-true"), logger=False, callbacks=[elastic],
+                        enable_progress_bar=t.get("enable_progress_bar", True), enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=cfg.run.dir)
+    trainer.predict(model, return_predictions=False, **data.predict_kwargs())
     if elastic.manifest is None:  # another worker is still on the job; whoever finishes last writes the manifest
         print(f"this worker's shards are committed; the job in {out} completes with the other workers", flush=True)
         return None
-    table = read_predictions(out).to_pylist()
-    scores = sorted(table, key=lambda row: row["bits_per_byte"])
-    mean = sum(r["bits_per_byte"] * r["bytes_scored"] for r in table) / max(1, sum(r["bytes_scored"] for r in table))
-    result = {"files": len(table), "bits_per_byte": mean, "checkpoint": str(ckpt), "output_dir": str(out),
-              "easiest": scores[0]["path"] if scores else None, "hardest": scores[-1]["path"] if scores else None}
+    table = read_predictions(out)
+    result = {"rows": table.num_rows, "rows_failed": elastic.manifest["rows_failed"],
+              "columns": table.column_names, "checkpoint": str(ckpt), "output_dir": str(out),
+              "format": cfg.predict.format, "batches_this_worker": elastic.batches_run,
+              "seconds_this_worker": round(time.perf_counter() - started, 2)}
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run.dir) / PREDICT_FILE).write_text(json.dumps(result, indent=2))
-    print(f"scored {len(table)} held-out files with {ckpt.name}: {mean:.3f} bits per byte"
-          f" (easiest {result['easiest']}, hardest {result['hardest']})\npredictions: {out}"
-          f" (read them with lightning_paro.predict.read_predictions)", flush=True)
+    print(f"predicted {table.num_rows} rows with {ckpt.name} ({', '.join(table.column_names)})\npredictions: {out}"
+          + (" (Parquet: pandas.read_parquet(dir), pyarrow.dataset.dataset(dir), DuckDB read_parquet('dir/*.parquet'),"
+             " or lightning_paro.predict.read_predictions(dir) in input order)" if cfg.predict.format == "parquet"
+             else ""), flush=True)
     return result
 
 
 # ---------------------------------------------------------------------------------------------------- bench
 class StepTimer(L.Callback):
-    """Times optimizer steps after ``warmup`` of them; at the end gathers every rank's loss, peak RSS and model-state
-    bytes, and on global rank 0 writes bench.json and prints one line."""
+    """Times optimizer steps after ``warmup`` of them and counts the samples they train on; at the end gathers every
+    rank's loss, samples, peak RSS and model-state bytes, and on global rank 0 writes bench.json and prints one line.
 
-    def __init__(self, cfg: Config) -> None:
+    Samples are the batch size Lightning finds in each batch (the first tensor's first dimension); a module that
+    sets ``tokens_per_sample`` (a sequence model) gets tokens per second too."""
+
+    def __init__(self, cfg: Config, losses: LossRecorder) -> None:
         self.cfg = cfg
+        self.losses = losses
         self.warmup = cfg.bench.warmup_steps
         self.marks: dict[int, float] = {}
         self.batch_started = (0, 0.0)
+        self.samples = 0
+        """Samples of the timed micro-batches on this rank."""
         self.accumulating: list[float] = []
         """Durations of timed micro-batches that did not end an accumulation window: with DDP (no_sync) these do no
         communication, so they measure one micro-step's compute under the same load. The report gives rank 0's
@@ -232,8 +309,13 @@ class StepTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.marks[0] = time.perf_counter()
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self.batch_started = (trainer.global_step, time.perf_counter())
+        if trainer.global_step >= self.warmup:
+            from lightning.pytorch.utilities.data import extract_batch_size
+
+            self.samples += extract_batch_size(batch)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         now = time.perf_counter()
@@ -243,24 +325,29 @@ class StepTimer(L.Callback):
             self.accumulating.append(now - started)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        per = self.cfg.trainer.accumulate_grad_batches
-        micro = list(getattr(pl_module, "step_losses", []))[-per:]
+        per_step = self.losses.per_step()
         states = model_state_bytes(trainer.strategy, pl_module, trainer.optimizers)
         accumulating = statistics.fmean(self.accumulating) if self.accumulating else math.nan
-        local = torch.tensor([sum(micro) / max(len(micro), 1), peak_rss_bytes(), sum(states.values()), accumulating],
-                             dtype=torch.float64)
+        local = torch.tensor([per_step[-1] if per_step else math.nan, peak_rss_bytes(), sum(states.values()),
+                              accumulating, self.samples], dtype=torch.float64)
         ranks = gather_rows(local, trainer.world_size)  # collective: every rank takes part
         if not trainer.is_global_zero:
             return
         last = trainer.global_step
         steps = last - self.warmup
         seconds = self.marks[last] - self.marks[self.warmup]
-        c = self.cfg
-        tokens_per_step = c.data.batch_size * c.model.seq_len * c.trainer.accumulate_grad_batches * trainer.world_size
+        samples = int(ranks[:, 4].sum())
+        samples_per_step = samples / steps if steps > 0 else None
+        tokens_per_sample = getattr(pl_module, "tokens_per_sample", None)
+        tokens_per_step = (samples_per_step * tokens_per_sample
+                           if samples_per_step is not None and isinstance(tokens_per_sample, int) else None)
         result = {
-            "strategy": strategy_label(c), "world_size": trainer.world_size, "timed_steps": steps,
-            "seconds": round(seconds, 4), "tokens_per_step": tokens_per_step,
-            "tokens_per_s": round(tokens_per_step * steps / seconds, 1) if seconds > 0 else None,
+            "strategy": strategy_label(self.cfg), "model": self.cfg.model.get("_target_"),
+            "world_size": trainer.world_size, "timed_steps": steps, "seconds": round(seconds, 4),
+            "samples_per_step": _whole(samples_per_step),
+            "samples_per_s": round(samples / seconds, 2) if seconds > 0 else None,
+            "tokens_per_step": _whole(tokens_per_step),
+            "tokens_per_s": round(tokens_per_step * steps / seconds, 1) if tokens_per_step and seconds > 0 else None,
             "step_seconds": round(seconds / steps, 4) if steps > 0 else None,
             "accumulating_micro_step_s": (round(statistics.median(self.accumulating), 5) if self.accumulating
                                           else None),
@@ -274,14 +361,22 @@ class StepTimer(L.Callback):
             "trainable_parameters": sum(p.numel() for p in pl_module.parameters() if p.requires_grad),
             **_strategy_stats(trainer.strategy),
         }
-        Path(c.run.dir).mkdir(parents=True, exist_ok=True)
-        (Path(c.run.dir) / BENCH_FILE).write_text(json.dumps(result, indent=2))
+        Path(self.cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.cfg.run.dir) / BENCH_FILE).write_text(json.dumps(result, indent=2))
         traffic = (f", {result['intra_bytes_per_step'] / 1e6:.2f} MB intra + {result['inter_bytes_per_step'] / 1e6:.2f}"
                    " MB inter per step per rank" if "intra_bytes_per_step" in result else "")
-        print(f"bench {result['strategy']} on {_processes(trainer.world_size)}: {result['tokens_per_s']} tokens/s over"
-              f" {steps} optimizer steps ({tokens_per_step} tokens each){traffic}; final loss"
-              f" {result['final_loss']:.5f}, model states {result['model_state_bytes_max_rank'] / 2**20:.1f} MiB and"
-              f" peak RSS {result['peak_rss_bytes_max_rank'] / 2**20:.0f} MiB on the largest rank", flush=True)
+        rate = (f"{result['tokens_per_s']} tokens/s" if result["tokens_per_s"] is not None
+                else f"{result['samples_per_s']} samples/s")
+        print(f"bench {result['strategy']} on {_processes(trainer.world_size)}: {rate} over {steps} optimizer steps"
+              f" ({result['samples_per_step']} samples each){traffic}; final loss {result['final_loss']:.5f}, model"
+              f" states {result['model_state_bytes_max_rank'] / 2**20:.1f} MiB and peak RSS"
+              f" {result['peak_rss_bytes_max_rank'] / 2**20:.0f} MiB on the largest rank", flush=True)
+
+
+def _whole(value: Optional[float]) -> Any:
+    if value is None:
+        return None
+    return int(value) if float(value).is_integer() else round(value, 2)
 
 
 def peak_rss_bytes() -> int:
@@ -336,12 +431,16 @@ def model_state_bytes(strategy: Any, module: torch.nn.Module, optimizers: list) 
 
 
 def bench(cfg: Config) -> None:
-    """Train bench.warmup_steps + bench.steps optimizer steps and report the timed steps' tokens per second."""
-    trainer = build_trainer(cfg, callbacks=[StepTimer(cfg)], max_steps=cfg.bench.warmup_steps + cfg.bench.steps,
-                            validate=False)
+    """Train bench.warmup_steps + bench.steps optimizer steps and report the timed steps' throughput. The callbacks
+    and logger groups are left out (a checkpoint or a logger would be timed too)."""
     model = build_model(cfg)
-    train, _ = train_loaders(cfg.data, cfg.model.seq_len)
-    trainer.fit(model, train)
+    data = build_data(cfg)
+    losses = LossRecorder()
+    trainer = build_trainer(cfg, callbacks=[losses, StepTimer(cfg, losses)], user_callbacks=False, loggers=False,
+                            max_steps=cfg.bench.warmup_steps + cfg.bench.steps, validate=False)
+    kwargs = data.fit_kwargs()
+    kwargs.pop("val_dataloaders", None)
+    trainer.fit(model, **kwargs)
 
 
 COMMANDS = {"fit": fit, "predict": predict, "bench": bench}

@@ -1,8 +1,8 @@
-"""``python -m lightning_paro fit|predict|bench [KEY=VALUE ...] [-m] [--cfg] [--config-dir DIR]``."""
+"""``lightning-paro fit|predict|bench [KEY=VALUE ...] [-m] [--cfg] [--config-dir DIR]`` (or
+``python -m lightning_paro ...``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -10,16 +10,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from omegaconf import OmegaConf
-
-from lightning_paro.cli.compose import LAUNCH_TIME_ENV, check_launch_environment, default_config_dir, load_config
+from lightning_paro.cli.compose import (
+    LAUNCH_TIME_ENV,
+    check_launch_environment,
+    load_config,
+    package_config_dir,
+    user_config_dirs,
+)
 from lightning_paro.cli.schema import ConfigError
 
 PROG = "lightning-paro"
 COMMAND_HELP = {
-    "fit": "train, save run.dir/weights.ckpt, print the strategy's traffic and memory summary",
-    "predict": "score the held-out files with that checkpoint; per-file bits per byte to Parquet",
-    "bench": "tokens per second of a few training steps with the configured strategy",
+    "fit": "train the model on the data, save run.dir/weights.ckpt, print the strategy's traffic and memory summary",
+    "predict": "run the data's predict dataloader through that checkpoint with elastic batch prediction, to Parquet",
+    "bench": "samples (tokens) per second of a few training steps with the configured strategy",
 }
 USAGE = f"usage: {PROG} {{{','.join(COMMAND_HELP)}}} [KEY=VALUE ...] [-m|--multirun] [--cfg] [--config-dir DIR]"
 
@@ -36,8 +40,8 @@ class Invocation:
     """-m/--multirun: run one job per combination of the comma-separated values."""
     print_config: bool = False
     """--cfg: print the composed config and exit."""
-    config_dir: Optional[Path] = None
-    """--config-dir: the config tree to compose (default: the project's conf/)."""
+    config_dirs: tuple[Path, ...] = ()
+    """--config-dir (repeatable): directories of the user's configs, added to the search path after the package's."""
     help: bool = False
     """-h/--help."""
 
@@ -65,7 +69,7 @@ def parse_args(argv: Sequence[str]) -> Invocation:
                 value = args[i]
             else:
                 raise ConfigError("--config-dir", "needs a directory")
-            flags["config_dir"] = Path(value).expanduser().resolve()
+            flags["config_dirs"] = (*flags.get("config_dirs", ()), Path(value).expanduser().resolve())
         elif arg.startswith("-"):
             raise ConfigError(arg, f"unknown option; {USAGE}")
         elif command is None and "=" not in arg:
@@ -80,21 +84,31 @@ def parse_args(argv: Sequence[str]) -> Invocation:
     return Invocation(command, tuple(overrides), **flags)
 
 
-def help_text(config_dir: Optional[Path]) -> str:
-    directory = config_dir or default_config_dir()
+def help_text(config_dirs: Sequence[Path] = ()) -> str:
     lines = [USAGE, "", "commands:"]
     lines += [f"  {name:8s} {text}" for name, text in COMMAND_HELP.items()]
-    lines += ["", f"config groups ({directory}):"]
-    for group in sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
-        options = ", ".join(sorted(p.stem for p in group.glob("*.yaml")))
-        lines.append(f"  {group.name + '=':10s} {options}")
+    try:
+        directories = [package_config_dir(), *user_config_dirs(config_dirs)]
+    except ConfigError:
+        directories = [package_config_dir()]
+    options: dict[str, set[str]] = {}
+    for directory in directories:
+        for group in (p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
+            found = {p.stem for p in group.glob("*.yaml")}
+            if found:
+                options.setdefault(group.name, set()).update(found)
+    lines += ["", "config groups (" + ", ".join(str(d) for d in directories) + "):"]
+    lines += [f"  {group + '=':12s} {', '.join(sorted(names))}" for group, names in sorted(options.items())]
     lines += [
         "",
         "examples:",
-        f"  {PROG} fit strategy=paro strategy.sharding=IIG strategy.group_size=2 trainer=cpu4",
-        f"  {PROG} predict                     # scores held-out files with run.dir/weights.ckpt",
+        f"  {PROG} fit strategy=paro_iig strategy.group_size=2 trainer=cpu4",
+        f"  {PROG} fit --config-dir ./configs model=mine data=mine trainer.devices=2 callbacks=checkpoint",
+        f"  {PROG} predict                     # run.dir/weights.ckpt over the data's predict_dataloader",
         f"  {PROG} bench -m strategy=paro_nig,paro_ggg,ddp,fsdp2 trainer=cpu4",
         f"  {PROG} fit --cfg job               # print the composed config",
+        "defaults that differ from PaROStrategy's: strategy.sharding=IIG (library: auto) and"
+        " strategy.state_dict_type=full (library: sharded)",
         "every key: docs/config.md",
     ]
     return "\n".join(lines)
@@ -107,7 +121,7 @@ def _under_torchrun() -> bool:
 def run(invocation: Invocation) -> int:
     """Execute a parsed command line; returns the exit code."""
     if invocation.help:
-        print(help_text(invocation.config_dir))
+        print(help_text(invocation.config_dirs))
         return 0
     assert invocation.command is not None
     # the processes Lightning starts for this run inherit it: ${now:...} resolves alike in all of them
@@ -118,14 +132,19 @@ def run(invocation: Invocation) -> int:
                                     " torchrun call (drop -m and give each job's values)")
         from lightning_paro.cli.sweep import run_sweep
 
-        return run_sweep(invocation.command, invocation.overrides, invocation.config_dir)
-    cfg = load_config(invocation.overrides, invocation.config_dir)
+        return run_sweep(invocation.command, invocation.overrides, invocation.config_dirs)
+    cfg = load_config(invocation.overrides, invocation.config_dirs)
     if invocation.print_config:
-        print(OmegaConf.to_yaml(OmegaConf.structured(dataclasses.asdict(cfg))), end="")
+        from lightning_paro.cli.commands import config_yaml
+
+        print(config_yaml(cfg), end="")
         return 0
     if invocation.command in ("fit", "bench"):
         check_launch_environment(cfg)
+    from lightning_paro import compat
     from lightning_paro.cli.commands import COMMANDS
+
+    compat.check_private_apis()
 
     COMMANDS[invocation.command](cfg)
     return 0
@@ -134,8 +153,15 @@ def run(invocation: Invocation) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``lightning-paro`` and ``python -m lightning_paro``; exit code 2 and one line on a config
     error."""
+    from lightning_paro.compat import IncompatibleVersionError
+
+    # `_target_` classes import from the working directory, as they do under `python -m lightning_paro` (the console
+    # script's own directory is on the path instead); processes Lightning starts inherit the path
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         return run(parse_args(sys.argv[1:] if argv is None else argv))
-    except ConfigError as exc:
+    except (ConfigError, IncompatibleVersionError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2

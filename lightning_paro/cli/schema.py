@@ -1,17 +1,18 @@
-"""The configuration schema: one frozen dataclass per config group, checked after Hydra composes the YAML tree.
+"""The configuration schema, checked after Hydra composes the config tree.
 
-Hydra composes ``conf/`` with the command-line overrides; the result is merged into these dataclasses (unknown keys
-and wrong types are refused by OmegaConf) and then checked for values no type can express (a sharding that does not
-exist, a group size that does not divide the world). Every refusal is a :class:`ConfigError` naming the key.
+Two kinds of node: the ``strategy`` node and the command settings (``predict``, ``bench``, ``run``) are frozen
+dataclasses, merged with what Hydra composed (unknown keys and wrong types are refused by OmegaConf) and then checked
+for values no type can express (a sharding that does not exist, a group size that does not divide the world). The
+``model``, ``data``, ``callbacks`` and ``logger`` nodes are ``_target_`` nodes built with ``hydra.utils.instantiate``,
+checked against the signature of the class they name, and ``trainer`` is a dict of ``lightning.Trainer`` arguments.
+Every refusal is a :class:`ConfigError` naming the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-from lightning_paro.demo.model import GPTConfig
-
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; ``key`` is its dotted name, the message says what to do."""
@@ -30,7 +31,9 @@ class ParoStrategyConfig:
     name: str = "paro"
     """Which strategy schema this node uses (set by the config file; selects the strategy class)."""
     sharding: str = "IIG"
-    """Three letters (N, I or G) for parameters, gradients and optimizer states; one of the 14 valid strategies."""
+    """Three letters (N, I or G) for parameters, gradients and optimizer states (one of the 14 valid strategies), or
+    auto. The command line defaults to IIG, which starts at once; PaROStrategy's own default is auto, which probes
+    the links at start-up and picks one."""
     group_size: Optional[int] = None
     """Ranks per group (m); must divide trainer.devices * trainer.num_nodes. null: the processes per node."""
     units: Any = "auto"
@@ -55,7 +58,9 @@ class ParoStrategyConfig:
     log_traffic: bool = True
     """Log paro/intra_bytes and paro/inter_bytes per optimizer step to the Trainer's loggers."""
     state_dict_type: str = "full"
-    """Checkpoints as one consolidated file (full) or a directory of per-rank shards (sharded, where supported)."""
+    """Checkpoints as one consolidated file (full) or a directory of per-rank shards (sharded). The command line
+    writes full files by default, which torch.load and LightningModule.load_from_checkpoint open in one process;
+    PaROStrategy's own default is sharded."""
     start_method: str = "popen"
     """How the processes start: popen (Lightning's subprocess launcher), spawn, fork or forkserver."""
     process_group_backend: Optional[str] = None
@@ -114,83 +119,57 @@ BACKENDS = (None, "gloo", "nccl")
 
 # ---------------------------------------------------------------------------------------------------- the rest
 @dataclass(frozen=True)
-class TrainerConfig:
-    """Arguments of ``lightning.Trainer`` the commands pass through."""
-
-    accelerator: str = "auto"
-    """cpu, gpu, cuda or auto."""
-    devices: Any = 1
-    """Processes (devices) per node: an integer, or "auto"."""
-    num_nodes: int = 1
-    """Nodes; the world size is devices * num_nodes."""
-    precision: str = "32-true"
-    """32-true, bf16-mixed or bf16-true (PaRO refuses 16-mixed)."""
-    max_steps: int = 60
-    """Optimizer steps to train."""
-    accumulate_grad_batches: int = 2
-    """Micro-batches per optimizer step."""
-    gradient_clip_val: Optional[float] = 1.0
-    """Clip the gradient norm to this value; null: no clipping."""
-    log_every_n_steps: int = 5
-    """How often metrics go to the CSV logger."""
-    limit_val_batches: Any = 20
-    """Validation batches per rank at the end of training (0 skips validation)."""
-    enable_progress_bar: bool = True
-    """Show Lightning's progress bar."""
-    deterministic: bool = False
-    """Ask torch for deterministic kernels."""
-
-
-@dataclass(frozen=True)
-class GPTModelConfig(GPTConfig):
-    """The demo's byte-level GPT (``lightning_paro.demo.GPT``): its ``GPTConfig`` fields, plus the family name."""
-
-    name: str = "gpt"
-    """The model family (only gpt in this version)."""
-    trainable_blocks: Optional[int] = None
-    """Train only the last this-many blocks and the final norm, the rest frozen (a PEFT-like run); null: all."""
-
-
-@dataclass(frozen=True)
-class StdlibDataConfig:
-    """Python's standard-library source files as byte-level text: training files, then held-out files."""
-
-    name: str = "stdlib"
-    """The data set (only stdlib in this version)."""
-    train_bytes: int = 600_000
-    """About this many bytes of source files (in sorted order) to train on."""
-    held_out_bytes: int = 100_000
-    """About this many bytes of the following files for validation and for predict."""
-    batch_size: int = 8
-    """Training sequences per micro-batch per rank."""
-    val_batch_size: int = 16
-    """Validation sequences per batch per rank."""
-    num_workers: int = 0
-    """DataLoader worker processes."""
-
-
-@dataclass(frozen=True)
 class PredictConfig:
-    """The predict command: score held-out files with a checkpoint; elastic batch prediction to Parquet."""
+    """The predict command: ``lightning_paro.predict.ElasticPredict`` over the data's predict dataloader, with the
+    weights of a checkpoint. Every key but checkpoint and output_dir is an option of ElasticPredict
+    (``ElasticPredictConfig``, docs/predict.md)."""
 
     checkpoint: Optional[str] = None
-    """Weights checkpoint to load; null: weights.ckpt in run.dir (what fit writes)."""
+    """Checkpoint whose weights (its state_dict) are loaded into the model; null: weights.ckpt in run.dir, what fit
+    writes. A file or a sharded checkpoint directory."""
     output_dir: Optional[str] = None
-    """Where the per-file scores go; null: predictions/ in run.dir."""
-    batch_size: int = 4
-    """Files per batch."""
-    max_bytes_per_file: int = 4096
-    """Score at most this many leading bytes of each file (keeps batches a fixed shape)."""
-    shard_size: Optional[int] = None
-    """Files per shard of the elastic job (unit of leasing and commit); null: 16 batches."""
+    """Where the predictions go; null: predictions/ in run.dir."""
     format: str = "parquet"
     """Output format: parquet or jsonl."""
+    shard_size: Optional[int] = None
+    """Rows per shard (the unit of leasing, retry and commit); null: 16 batches."""
+    index_column: str = "row_id"
+    """Column holding each row's dataset index (always written)."""
+    id_column: Optional[str] = None
+    """Key of a per-sample id in dict samples to copy into the output; null: none."""
     ledger: Optional[str] = None
-    """Shard ledger: SQLite path or postgresql:// URL; null: a SQLite file in output_dir."""
+    """Shard ledger: SQLite path or postgresql:// URL; null: _ledger.sqlite in output_dir."""
+    job_name: Optional[str] = None
+    """Name of the job in the ledger; null: the output directory's absolute path."""
     lease_ttl_s: float = 60.0
     """Seconds a worker's lease lives without a heartbeat."""
+    heartbeat_interval_s: Optional[float] = None
+    """Seconds between lease renewals; null: a quarter of lease_ttl_s."""
+    stall_timeout_s: float = 600.0
+    """Stop renewing leases when no batch finished for this long, so a hung worker loses its shards."""
+    max_attempts: int = 3
+    """Leases of one shard that may end without a commit before it is split."""
+    speculate_after_s: Optional[float] = 60.0
+    """An idle worker duplicates a shard leased longer ago than this (tail stragglers); null: never."""
+    poll_interval_s: float = 0.5
+    """Seconds an idle worker waits between asking the ledger for work."""
+    fetch_threads: int = 1
+    """Rows of a batch read concurrently per DataLoader worker (raise for latency-bound storage)."""
+    row_retries: int = 1
+    """Retries of a failing row or batch before it is bisected and reported."""
     max_failed_rows: int = 0
-    """Files that may fail (isolated as poison) before the job fails."""
+    """Rows that may fail (isolated as poison) before the job fails."""
+    writer_queue_size: int = 8
+    """Batches that may wait for the background writer before predict_step blocks."""
+    progress_interval_s: float = 10.0
+    """Seconds between reads of the job's global progress (shown on the progress bar)."""
+    worker_name: Optional[str] = None
+    """This worker's name in the ledger; null: host, process id and a random suffix."""
+
+    def elastic_options(self) -> dict[str, Any]:
+        """The keyword arguments of ElasticPredict besides the output directory."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("checkpoint", "output_dir")}
 
 
 @dataclass(frozen=True)
@@ -217,19 +196,28 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """Everything one command needs."""
+    """Everything one command needs. The ``_target_`` nodes are plain dicts with their interpolations resolved."""
 
     strategy: Any = field(default_factory=ParoStrategyConfig)
     """The distributed strategy (group strategy)."""
-    model: GPTModelConfig = field(default_factory=GPTModelConfig)
-    """The model (group model)."""
-    data: StdlibDataConfig = field(default_factory=StdlibDataConfig)
-    """The data (group data)."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Trainer arguments (group trainer)."""
+    model: dict = field(default_factory=dict)
+    """The LightningModule: a ``_target_`` node and its arguments (group model)."""
+    data: Optional[dict] = None
+    """The data: a ``_target_`` node (a LightningDataModule), a dict of train/val/test/predict ``_target_`` nodes
+    (dataloaders), or null for the model's own ``*_dataloader`` hooks (group data)."""
+    trainer: dict = field(default_factory=dict)
+    """Keyword arguments of ``lightning.Trainer`` (group trainer)."""
+    callbacks: dict = field(default_factory=dict)
+    """Name -> ``_target_`` node of a Lightning callback (group callbacks)."""
+    logger: dict = field(default_factory=dict)
+    """Name -> ``_target_`` node of a Lightning logger (group logger); empty: no logger."""
     predict: PredictConfig = field(default_factory=PredictConfig)
     """The predict command's settings (group predict)."""
     bench: BenchConfig = field(default_factory=BenchConfig)
     """The bench command's settings."""
     run: RunConfig = field(default_factory=RunConfig)
     """Output directory and seed."""
+
+
+TARGET_GROUPS = ("model", "data", "callbacks", "logger")
+"""The top-level nodes built with ``hydra.utils.instantiate``."""

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
@@ -60,11 +60,11 @@ def expand_sweep(overrides: Sequence[str]) -> list[tuple[list[str], list[str]]]:
     return jobs
 
 
-def plan_sweep(overrides: Sequence[str], config_dir: Optional[Path]) -> list[SweepJob]:
+def plan_sweep(overrides: Sequence[str], config_dirs: Sequence[Path] = ()) -> list[SweepJob]:
     """Every job's overrides and output directory; each job's config is composed and checked before any runs."""
     jobs = []
     for index, (job_overrides, swept) in enumerate(expand_sweep(overrides)):
-        cfg = load_config(job_overrides, config_dir)
+        cfg = load_config(job_overrides, config_dirs)
         # the job's directory is given explicitly so its ranks (which re-run its command line) agree on it
         kept = [o for o in job_overrides if o.split("=", 1)[0].lstrip("+") != "run.dir"]
         run_dir = str(Path(cfg.run.dir) / str(index))
@@ -72,8 +72,8 @@ def plan_sweep(overrides: Sequence[str], config_dir: Optional[Path]) -> list[Swe
     return jobs
 
 
-def job_command(command: str, job: SweepJob, config_dir: Optional[Path]) -> list[str]:
-    extra = ["--config-dir", str(config_dir)] if config_dir is not None else []
+def job_command(command: str, job: SweepJob, config_dirs: Sequence[Path] = ()) -> list[str]:
+    extra = [arg for directory in config_dirs for arg in ("--config-dir", str(directory))]
     return [sys.executable, "-m", "lightning_paro", command, *extra, *job.overrides]
 
 
@@ -88,8 +88,11 @@ def _job_result(command: str, run_dir: str) -> dict:
 def _headline(command: str, result: dict) -> str:
     if command == "bench" and result.get("tokens_per_s") is not None:
         return f"{result['tokens_per_s']:.0f} tokens/s"
-    if command == "predict" and result.get("bits_per_byte") is not None:
-        return f"{result['bits_per_byte']:.3f} bits per byte over {result['files']} files"
+    if command == "bench" and result.get("samples_per_s") is not None:
+        return f"{result['samples_per_s']:.1f} samples/s" + (
+            f", inter {result['inter_bytes_per_step'] / 1e6:.3f} MB/step" if "inter_bytes_per_step" in result else "")
+    if command == "predict" and result.get("rows") is not None:
+        return f"{result['rows']} rows predicted"
     if command == "fit" and result.get("loss_per_step_rank0"):
         text = f"final loss {result['loss_per_step_rank0'][-1]:.3f}"
         if "inter_bytes_per_step" in result:
@@ -98,14 +101,14 @@ def _headline(command: str, result: dict) -> str:
     return ""
 
 
-def run_sweep(command: str, overrides: Sequence[str], config_dir: Optional[Path]) -> int:
+def run_sweep(command: str, overrides: Sequence[str], config_dirs: Sequence[Path] = ()) -> int:
     """Run the jobs one after another; print a table and write sweep.json next to the job directories."""
-    jobs = plan_sweep(overrides, config_dir)
+    jobs = plan_sweep(overrides, config_dirs)
     rows = []
     for job in jobs:
         label = " ".join(job.swept) or "(no swept keys)"
         print(f"[sweep] job {job.index + 1}/{len(jobs)}: {label} -> {job.run_dir}", flush=True)
-        completed = subprocess.run(job_command(command, job, config_dir))
+        completed = subprocess.run(job_command(command, job, config_dirs))
         result = _job_result(command, job.run_dir)
         rows.append({"job": job.index, "overrides": list(job.swept), "run_dir": job.run_dir,
                      "exit_code": completed.returncode, "result": result})

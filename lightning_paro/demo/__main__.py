@@ -1,15 +1,16 @@
 """The demo a newcomer runs first: the whole mission on one machine, through the package's own command line.
 
-1. ``fit``: a small GPT-style byte-level language model trained with the PaRO strategy (IIG) on 4 CPU processes
-   arranged as 2 groups of 2, on the Python standard library's own source files, with a progress bar and the loss
-   and traffic per step logged; a checkpoint at the end.
-2. ``predict``: elastic batch prediction (``lightning_paro.predict.ElasticPredict``) scoring held-out files with that
-   checkpoint, per-file bits per byte written to Parquet.
+1. ``fit experiment=demo``: a small GPT-style byte-level language model trained with the PaRO strategy (IIG) on 4
+   CPU processes arranged as 2 groups of 2, on the Python standard library's own source files, with a progress bar
+   and the loss and traffic per step logged; a checkpoint at the end.
+2. ``predict experiment=demo``: elastic batch prediction (``lightning_paro.predict.ElasticPredict``) scoring held-out
+   files with that checkpoint, per-file bits per byte written to Parquet.
 3. A final summary: the loss curve, the bytes each rank moved inside and between groups per optimizer step, the
-   model-state memory per rank, and where every output is.
+   model-state memory per rank, and where every output is; with matplotlib installed, the same as a plot
+   (``summary.png`` beside ``summary.json``).
 
 Usage: ``python -m lightning_paro.demo [HYDRA OVERRIDES...]`` (e.g. ``strategy.sharding=NIG``); the overrides go to
-both commands.
+both commands, after ``experiment=demo``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
-DEFAULTS = ["strategy=paro", "strategy.sharding=IIG", "strategy.group_size=2", "trainer=cpu4", "run.name=demo"]
+DEFAULTS = ["experiment=demo"]
+PLOT_FILE = "summary.png"
 
 
 def _run(command: str, overrides: list[str]) -> None:
@@ -40,12 +43,32 @@ def _curve(losses: list[float], points: int = 12) -> str:
     return " ".join(f"{x:.2f}" for x in means) + f"   (mean per {k} optimizer step{'s' if k > 1 else ''})"
 
 
-def _run_dir(overrides: list[str]) -> Path:
-    for o in overrides:
-        if o.startswith("run.dir="):
-            return Path(o.split("=", 1)[1])
-    name = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.name=")), "demo")
-    return Path("runs") / name
+def write_plot(fit: dict, path: Path) -> Optional[Path]:
+    """Loss per optimizer step and bytes sent per step inside and between groups (rank 0), as a PNG; None when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    losses = fit.get("loss_per_step_rank0") or []
+    traffic = fit.get("traffic_per_step_rank0") or {}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
+    left.plot(range(1, len(losses) + 1), losses, color="tab:blue")
+    left.set(title="training loss (rank 0)", xlabel="optimizer step", ylabel="cross-entropy (nats per byte)")
+    if traffic:
+        steps = range(1, len(traffic["intra"]) + 1)
+        right.plot(steps, [b / 1e6 for b in traffic["intra"]], label="inside its group", color="tab:green")
+        right.plot(steps, [b / 1e6 for b in traffic["inter"]], label="between groups", color="tab:red")
+        right.legend()
+    right.set(title="bytes sent per optimizer step (rank 0)", xlabel="optimizer step", ylabel="MB")
+    right.set_ylim(bottom=0)
+    fig.suptitle(f"{fit['strategy']} on {fit['world_size']} processes")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,10 +78,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     _run("fit", overrides)
     _run("predict", overrides)
-    run_dir = _run_dir(overrides).resolve()
+    from lightning_paro.cli.compose import load_config
+    from lightning_paro.predict import read_predictions
+
+    cfg = load_config(DEFAULTS + overrides)
+    run_dir = Path(cfg.run.dir)
     fit = json.loads((run_dir / "summary.json").read_text())
     pred = json.loads((run_dir / "predict.json").read_text())
+    rows = read_predictions(pred["output_dir"]).to_pylist()
+    scored = sum(r["bytes_scored"] for r in rows)
+    per_file = sum(r["bits_per_byte"] * r["bytes_scored"] for r in rows) / max(1, scored)
+    ranked = sorted(rows, key=lambda r: r["bits_per_byte"])
     mem = fit.get("memory_bytes_rank0", {})
+    val = fit.get("validation", {}).get("val_bits_per_byte")
+    data = cfg.data or {}
     lines = [
         "",
         "=" * 78,
@@ -66,22 +99,32 @@ def main(argv: list[str] | None = None) -> None:
         f" in {fit['seconds']} s",
         f"  loss curve (rank 0): {_curve(fit['loss_per_step_rank0'])}",
     ]
-    if fit.get("val_bits_per_byte") is not None:
-        lines.append(f"  held-out bits per byte after training: {fit['val_bits_per_byte']:.3f}")
     if "intra_bytes_per_step" in fit:
         lines.append(f"  bytes sent per optimizer step by each rank: {_mb(fit['intra_bytes_per_step'])} inside its"
                      f" group, {_mb(fit['inter_bytes_per_step'])} between groups")
     if mem:
         lines.append(f"  model states on rank 0: parameters {_mb(mem['params'])}, gradients {_mb(mem['grads'])},"
                      f" optimizer {_mb(mem['optim'])}")
+    lines.append("  held-out bits per byte (8 would be no better than chance), one model, two samples of the same"
+                 " held-out files:")
+    if val is not None:
+        batches = cfg.trainer.get("limit_val_batches")
+        lines.append(f"    {val:.3f}  validation at the end of fit: {batches} batches of {data.get('val_batch_size')}"
+                     f" windows of {data.get('seq_len')} bytes per rank, from the held-out files run together")
     lines += [
-        f"  batch prediction: {pred['files']} held-out files scored, {pred['bits_per_byte']:.3f} bits per byte"
-        f" (easiest {Path(pred['easiest']).name}, hardest {Path(pred['hardest']).name})",
+        f"    {per_file:.3f}  predict: the first {data.get('max_bytes_per_file')} bytes of each of the {len(rows)}"
+        f" files, weighted by bytes (easiest {Path(ranked[0]['path']).name}, hardest {Path(ranked[-1]['path']).name})"
+        if rows else "    predict wrote no rows",
+        "    (they cover different bytes of those files, so they differ a little)",
+    ]
+    plot = write_plot(fit, run_dir / PLOT_FILE)
+    lines += [
         "  outputs:",
         f"    checkpoint   {fit['checkpoint']}",
-        f"    predictions  {pred['output_dir']}  (lightning_paro.predict.read_predictions)",
+        f"    predictions  {pred['output_dir']}  (Parquet: pandas.read_parquet, pyarrow, DuckDB)",
         f"    logs         {fit['logs']}",
         f"    summaries    {run_dir / 'summary.json'}, {run_dir / 'predict.json'}",
+        f"    plot         {plot}" if plot else "    plot         (pip install matplotlib for summary.png)",
         "=" * 78,
     ]
     print("\n".join(lines), flush=True)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from cli.procs import free_port, run_cli
+from lightning_paro.cli.build import build_model
 from lightning_paro.cli.compose import load_config
-from lightning_paro.cli.task import FileBytes, GPTTask, split_files
+from lightning_paro.demo.data import FileBytes, split_files
 from lightning_paro.predict import read_predictions
 
 TINY = ["model=gpt_tiny", "data=stdlib_tiny", "trainer=tiny"]
@@ -28,25 +29,28 @@ def test_fit_checkpoint_predict(tmp_path):
     assert summary["strategy"] == "paro IIG" and summary["world_size"] == 2 and summary["optimizer_steps"] == 4
     losses = summary["loss_per_step_rank0"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-    assert summary["val_bits_per_byte"] is not None and 0 < summary["val_bits_per_byte"] < 12
+    assert 0 < summary["validation"]["val_bits_per_byte"] < 12
     # one group of 2 ranks: IIG moves bytes inside the group only
     assert summary["intra_bytes_per_step"] > 0 and summary["inter_bytes_per_step"] == 0
     assert "PaRO strategy IIG" in fit.stdout and "model states on this rank" in fit.stdout
     ckpt = run_dir / "weights.ckpt"
     assert ckpt.is_file() and str(ckpt) in fit.stdout
     assert (run_dir / "logs" / "version_0" / "metrics.csv").is_file()
+    # the progress bar was off (trainer=tiny); the composed config is saved beside the checkpoint
+    assert "_target_: lightning_paro.demo.GPTTask" in (run_dir / "config.yaml").read_text()
 
     cfg = load_config([*TINY, "run.name=e2e"], cwd=tmp_path)
     state = torch.load(ckpt, weights_only=True)
     assert "optimizer_states" not in state  # a weights checkpoint
-    model = GPTTask(cfg.model)
+    model = build_model(cfg)
     model.load_state_dict(state["state_dict"])  # strict: every key of the model, nothing else
 
     pred = run_cli(["predict", *TINY, "run.name=e2e"], tmp_path, timeout=200)
     assert pred.returncode == 0, pred.describe()
     table = read_predictions(run_dir / "predictions").to_pylist()
-    _, held_out = split_files(cfg.data)
-    files = FileBytes(held_out, cfg.model.seq_len, cfg.predict.max_bytes_per_file)
+    data = cfg.data
+    _, held_out = split_files(data["train_bytes"], data["held_out_bytes"])
+    files = FileBytes(held_out, cfg.model["seq_len"], data["max_bytes_per_file"])
     assert [row["path"] for row in table] == [files[i]["path"] for i in range(len(files))]
     assert len(table) >= 2
     # the scores are the checkpoint's: recompute two files in this process
@@ -57,8 +61,9 @@ def test_fit_checkpoint_predict(tmp_path):
             expected = model.predict_step(batch)
             assert table[i]["bits_per_byte"] == pytest.approx(expected["bits_per_byte"].item(), rel=1e-5)
             assert table[i]["bytes_scored"] == expected["bytes_scored"].item() == min(
-                cfg.predict.max_bytes_per_file, held_out[i].stat().st_size) - 1
-    assert f"scored {len(table)} held-out files" in pred.stdout
+                data["max_bytes_per_file"], held_out[i].stat().st_size) - 1
+    assert f"predicted {len(table)} rows with weights.ckpt (row_id, path, bits_per_byte, bytes_scored)" in pred.stdout
+    assert json.loads((run_dir / "predict.json").read_text())["rows"] == len(table)
 
 
 @pytest.mark.timeout(240)
@@ -89,7 +94,8 @@ def test_bench_with_the_spawn_start_method(tmp_path):
     assert bench.returncode == 0, bench.describe()
     result = json.loads((tmp_path / "runs" / "b" / "bench.json").read_text())
     assert result["strategy"] == "paro GGG" and result["world_size"] == 2 and result["timed_steps"] == 2
-    assert result["tokens_per_step"] == 4 * 32 * 2 * 2  # batch x seq_len x accumulation x ranks
+    assert result["samples_per_step"] == 4 * 2 * 2  # batch x accumulation x ranks
+    assert result["tokens_per_step"] == 4 * 32 * 2 * 2  # ... x seq_len (GPTTask.tokens_per_sample)
     assert result["tokens_per_s"] > 0 and result["inter_bytes_per_step"] == 0
     # PEFT-like: one of the two blocks (and the final norm) trains; the engine's gradients cover only those
     assert 0 < result["trainable_parameters"] < result["parameters"] / 2

@@ -1,5 +1,6 @@
 """The config tree composes with Hydra's compose API, every strategy config builds its strategy, every PaRO knob is
-overridable, and bad values come back as one line naming the key. In-process: nothing is launched."""
+overridable, every option of the other groups builds its objects, users' own config directories add options, and bad
+values come back as one line naming the key. In-process: nothing is launched."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_paro import PaROStrategy, VALID_STRATEGIES
 from lightning_paro.cli import schema
-from lightning_paro.cli.build import FSDP2Strategy, build_strategy, build_trainer
-from lightning_paro.cli.compose import GROUP_SCHEMAS, default_config_dir, load_config
+from lightning_paro.cli.build import FSDP2Strategy, build_data, build_model, build_strategy, build_trainer
+from lightning_paro.cli.compose import SETTINGS_SCHEMAS, load_config, package_config_dir
 from lightning_paro.cli.main import main, parse_args
 from lightning_paro.cli.schema import ConfigError
 from lightning_paro.demo.model import Block
 
-CONF = default_config_dir()
-REPO = CONF.parent
+CONF = package_config_dir()
+REPO = Path(__file__).resolve().parents[2]
 STRATEGY_CONFIGS = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
 FOUR_CPUS = ["trainer.accelerator=cpu", "trainer.devices=4"]
 
@@ -82,17 +83,77 @@ def test_the_trainer_gets_the_trainer_group_and_the_strategy():
     assert trainer.val_check_interval == 21 and trainer.check_val_every_n_epoch is None
 
 
-@pytest.mark.parametrize("group", sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "strategy"))
-def test_every_option_of_the_other_groups_composes(group):
-    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        cfg = load_config([f"{group}={option}"])
-        assert isinstance(getattr(cfg, group), GROUP_SCHEMAS[group])
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_the_config_tree_is_the_package_s_and_the_repository_s_conf():
+    assert CONF == REPO / "conf"
+    assert {p.name for p in CONF.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "strategy", "model", "data", "trainer", "callbacks", "logger", "predict", "experiment"}
+
+
+@pytest.mark.parametrize("option", _options("model"))
+def test_every_model_and_data_option_builds_a_lightning_module_and_datamodule(option):
+    import lightning as L
+
+    cfg = load_config([f"model={option}", "data=stdlib_tiny"])
+    model = build_model(cfg)
+    assert isinstance(model, L.LightningModule) and model.hparams["seq_len"] == cfg.model["seq_len"]
+    for data in _options("data"):
+        built = build_data(load_config([f"model={option}", f"data={data}"]))
+        assert isinstance(built.datamodule, L.LightningDataModule) and built.datamodule.seq_len == cfg.model["seq_len"]
+
+
+def test_every_callbacks_and_logger_option_builds_lightning_objects(tmp_path):
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    cfg = load_config(["callbacks=[checkpoint,early_stopping]", "logger=[csv,tensorboard]", "trainer.devices=1",
+                       "trainer.accelerator=cpu", f"run.dir={tmp_path}"])
+    trainer = build_trainer(cfg)
+    kinds = {type(c) for c in trainer.callbacks}
+    assert {ModelCheckpoint, EarlyStopping} <= kinds and trainer.checkpoint_callback.dirpath == str(
+        tmp_path / "checkpoints")
+    assert [type(x) for x in trainer.loggers] == [CSVLogger, TensorBoardLogger]
+    assert trainer.loggers[0].save_dir == str(tmp_path)
+    for option in _options("callbacks") + _options("logger"):
+        group = "callbacks" if option in _options("callbacks") else "logger"
+        load_config([f"{group}={option}"])
+    none = build_trainer(load_config(["logger=none", "trainer.devices=1", "trainer.accelerator=cpu"]))
+    assert none.loggers == [] and not any(isinstance(c, ModelCheckpoint) for c in none.callbacks)
+
+
+def test_settings_nodes_are_their_dataclasses():
+    cfg = load_config(["experiment=demo"])
+    for key, schema in SETTINGS_SCHEMAS.items():
+        assert isinstance(getattr(cfg, key), schema)
+    # the demo experiment: PaRO IIG on 4 CPU processes in 2 groups, its own run directory
+    assert cfg.strategy.sharding == "IIG" and cfg.strategy.group_size == 2
+    assert cfg.trainer["devices"] == 4 and cfg.run.dir.endswith("runs/demo")
+
+
+def test_trainer_keys_pass_through_to_lightning():
+    cfg = load_config(["trainer.devices=1", "trainer.accelerator=cpu", "+trainer.limit_train_batches=0.5",
+                       "+trainer.reload_dataloaders_every_n_epochs=2", "trainer.enable_progress_bar=false"])
+    trainer = build_trainer(cfg)
+    assert trainer.limit_train_batches == 0.5 and trainer.reload_dataloaders_every_n_epochs == 2
+    assert trainer.progress_bar_callback is None
+
+
+def test_the_step_progress_bar_replaces_lightning_s():
+    from lightning_paro.cli.progress import StepProgressBar
+
+    trainer = build_trainer(load_config(["trainer.devices=1", "trainer.accelerator=cpu"]))
+    assert isinstance(trainer.progress_bar_callback, StepProgressBar)
 
 
 def test_run_dir_is_absolute_against_the_working_directory(tmp_path):
     cfg = load_config(["run.name=exp1"], cwd=tmp_path)
     assert Path(cfg.run.dir) == tmp_path.resolve() / "runs" / "exp1"
     assert load_config([f"run.dir={tmp_path}/x"]).run.dir == str(tmp_path.resolve() / "x")
+    # ${run.dir} elsewhere (a logger's directory) is the absolute one too
+    assert cfg.logger["csv"]["save_dir"] == cfg.run.dir
 
 
 BAD = [
@@ -103,6 +164,8 @@ BAD = [
     (["strategy.group_size=0"], "strategy.group_size", "positive"),
     (["strategy=nope"], "strategy", "paro_nig"),
     (["model=nope"], "model", "gpt_tiny"),
+    (["model=gpt_tny"], "model", "did you mean gpt_tiny"),
+    (["experiment=nope"], "experiment", "choose one of demo"),
     (["stratgy=paro"], "stratgy", "strategy"),
     (["strategy.prefech=2"], "strategy.prefech", "prefetch"),
     (["strategy=ddp", "strategy.sharding=NIG"], "strategy.sharding", "find_unused_parameters"),
@@ -113,14 +176,32 @@ BAD = [
     (["trainer.devices=0"], "trainer.devices", "positive"),
     (["trainer.max_steps=abc"], "trainer.max_steps", "abc"),
     (["trainer.precision=16-mixed"], "trainer.precision", "bf16-mixed"),
-    (["model.dim=30", "model.heads=4"], "model.dim", "heads"),
-    (["model.trainable_blocks=5", "model.layers=4"], "model.trainable_blocks", "model.layers=4"),
+    (["model._target_=nowhere.Model"], "model._target_", "cannot import 'nowhere.Model'"),
+    (["model._target_=lightning_paro.demo.StdlibData"], "model._target_", "not a LightningModule"),
+    (["+model.widht=3"], "model.widht", "GPTTask takes no argument 'widht'"),
+    (["model.lyers=3"], "model.lyers", "+model.lyers"),
+    (["~model", "~data"], "model", "model=NAME"),
+    (["~model.seq_len"], "data.seq_len", "~data"),
+    (["data._target_=torch.utils.data.Nope"], "data._target_", "cannot import"),
+    (["+data.shuffle=true"], "data.shuffle", "StdlibData takes no argument 'shuffle'"),
+    (["+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", "+callbacks.ckpt.every=3"],
+     "callbacks.ckpt.every", "ModelCheckpoint takes no argument 'every'"),
+    (["+callbacks.x._target_=lightning_paro.demo.GPTTask"], "callbacks.x._target_", "not a Lightning Callback"),
+    (["+logger.w._target_=lightning.pytorch.loggers.WandbLoger"], "logger.w._target_", "WandbLoger"),
+    (["+trainer.max_epoch=3"], "trainer.max_epoch", "did you mean max_epochs"),
+    (["+trainer.strategy=ddp"], "trainer.strategy", "strategy group"),
+    (["+trainer.logger=false"], "trainer.logger", "logger=none"),
+    (["trainer.max_steps=0"], "trainer.max_steps", "-1"),
+    (["+experiment.trainer.devices=2"], "experiment", "@package _global_"),
     (["strategy.memory_budget=0"], "strategy.memory_budget", "share"),
     (["strategy.inter_gbps=10"], "strategy.intra_gbps", "both"),
     (["strategy.inter_overlap=2"], "strategy.inter_overlap", "[0, 1]"),
     (["predict.format=csv"], "predict.format", "parquet"),
+    (["predict.fetch_threads=0"], "predict.fetch_threads", "positive"),
+    (["predict.shard_sise=3"], "predict.shard_sise", "shard_size"),
     (["strategy=hsdp", "strategy.group_size=3", "trainer.devices=4"], "strategy.group_size", "divide"),
     (["hydra.run.dir=outputs/x"], "hydra.run.dir", "run.dir"),
+    (["hydra.searchpath=[file:///nonexistent/dir]"], "hydra.searchpath", "not a directory"),
     (["hydra.job.chdir=true"], "hydra.job.chdir", "run.dir"),
 ]
 
@@ -145,10 +226,81 @@ def test_a_bad_command_line_is_one_line(argv, key, capsys):
     assert len(err) == 1 and err[0].startswith(f"lightning-paro: error: {key}"), err
 
 
-def test_a_missing_config_tree_is_one_line(tmp_path, capsys):
-    assert main(["fit", "--config-dir", str(tmp_path)]) == 2
+def test_a_missing_config_dir_is_one_line(tmp_path, capsys):
+    assert main(["fit", "--config-dir", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--config-dir" in err[0] and "config.yaml" in err[0]
+    assert len(err) == 1 and "--config-dir" in err[0] and "not a directory" in err[0]
+
+
+USER_MODULE = """
+import lightning as L
+import torch
+
+
+class TinyNet(L.LightningModule):
+    def __init__(self, width: int, lr: float = 0.1):
+        super().__init__()
+        self.layer = torch.nn.Linear(width, 1)
+"""
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A user's project: a module with a LightningModule and a config directory with a model and an experiment."""
+    (tmp_path / "user_models_for_config_tests.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    configs = tmp_path / "configs"
+    (configs / "model").mkdir(parents=True)
+    (configs / "experiment").mkdir()
+    (configs / "model" / "tiny_net.yaml").write_text("_target_: user_models_for_config_tests.TinyNet\nwidth: 4\n")
+    (configs / "experiment" / "quick.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny_net\n  - override /strategy: paro_nig\n"
+        "model:\n  width: 7\ntrainer:\n  max_steps: 3\nrun:\n  name: quick\n")
+    monkeypatch.chdir(tmp_path)
+    return configs
+
+
+def test_a_user_config_dir_adds_options_and_experiments(user_dir):
+    cfg = load_config(["model=tiny_net", "~data"], [user_dir])
+    assert cfg.model == {"_target_": "user_models_for_config_tests.TinyNet", "width": 4} and cfg.data is None
+    assert build_model(cfg).layer.in_features == 4
+    exp = load_config(["experiment=quick", "~data"], [user_dir])
+    assert exp.model["width"] == 7 and exp.strategy.sharding == "NIG" and exp.trainer["max_steps"] == 3
+    assert exp.run.dir == str(user_dir.parent.resolve() / "runs" / "quick")
+    # the same through hydra.searchpath (relative to the working directory) and through the environment
+    assert load_config(["hydra.searchpath=[file://configs]", "experiment=quick", "~data"]).model == exp.model
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LIGHTNING_PARO_CONFIG_DIR", str(user_dir))
+        assert load_config(["experiment=quick", "~data"]).model == exp.model
+
+
+def test_a_user_model_s_arguments_are_checked_against_its_class(user_dir, capsys):
+    with pytest.raises(ConfigError) as info:
+        load_config(["model=tiny_net", "~data", "~model.width"], [user_dir])
+    assert info.value.key == "model.width" and "needs this argument" in str(info.value)
+    assert main(["fit", "--config-dir", str(user_dir), "model=tiny_net", "~data", "+model.depth=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lightning-paro: error: model.depth: user_models_for_config_tests.TinyNet takes no argument"
+                   " 'depth'; did you mean width? its arguments are width, lr"]
+
+
+def test_a_user_file_the_package_would_hide_is_refused(user_dir):
+    (user_dir / "model" / "gpt.yaml").write_text("_target_: user_models_for_config_tests.TinyNet\nwidth: 4\n")
+    with pytest.raises(ConfigError, match="model=gpt, which takes precedence"):
+        load_config([], [user_dir])
+    (user_dir / "model" / "gpt.yaml").unlink()
+    (user_dir / "config.yaml").write_text("defaults:\n  - _self_\n")
+    with pytest.raises(ConfigError, match="experiment"):
+        load_config([], [user_dir])
+
+
+def test_a_value_the_model_refuses_is_one_line_before_anything_starts(tmp_path, capsys):
+    argv = ["fit", "model.dim=30", "model.heads=4", "trainer.accelerator=cpu", "trainer.devices=1",
+            f"run.dir={tmp_path}/run"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lightning-paro: error: model: lightning_paro.demo.GPTTask: dim=30 is not divisible by heads=4"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_torchrun_layout_must_match_the_trainer_config():
@@ -174,46 +326,61 @@ def test_print_config_and_help(capsys):
 
 def test_parse_args_keeps_overrides_in_order_and_flags_anywhere():
     inv = parse_args(["-m", "bench", "strategy=paro", "--config-dir=/x", "strategy.sharding=NIG,GGG"])
-    assert inv.command == "bench" and inv.multirun and inv.config_dir == Path("/x")
+    assert inv.command == "bench" and inv.multirun and inv.config_dirs == (Path("/x"),)
     assert inv.overrides == ("strategy=paro", "strategy.sharding=NIG,GGG")
 
 
 def test_the_config_reference_documents_every_key():
     doc = (REPO / "docs" / "config.md").read_text()
-    schemas = {"trainer": schema.TrainerConfig, "model": schema.GPTModelConfig, "data": schema.StdlibDataConfig,
-               "predict": schema.PredictConfig, "bench": schema.BenchConfig, "run": schema.RunConfig}
-    missing = [f"{group}.{f.name}" for group, cls in schemas.items() for f in dataclasses.fields(cls)
+    missing = [f"{group}.{f.name}" for group, cls in SETTINGS_SCHEMAS.items() for f in dataclasses.fields(cls)
                if f"`{group}.{f.name}`" not in doc]
     for cls in (schema.ParoStrategyConfig, schema.DDPStrategyConfig, schema.FSDP2StrategyConfig):
         missing += [f"strategy.{f.name}" for f in dataclasses.fields(cls) if f"`strategy.{f.name}`" not in doc]
+    defaults = load_config([])
+    for group in ("model", "data", "trainer"):
+        missing += [f"{group}.{k}" for k in getattr(defaults, group) if f"`{group}.{k}`" not in doc]
     assert not missing, f"keys missing from docs/config.md: {missing}"
-    for option in STRATEGY_CONFIGS:
-        assert re.search(rf"\b{option}\b", doc), option
+    for group in ("strategy", "model", "data", "trainer", "callbacks", "logger", "predict", "experiment"):
+        for option in _options(group):
+            assert re.search(rf"\b{option}\b", doc), f"{group}={option}"
+
+
+def test_predict_options_are_elastic_predict_s():
+    from lightning_paro.predict import ElasticPredictConfig
+
+    options = {f.name for f in dataclasses.fields(ElasticPredictConfig)} - {"output_dir", "finalize"}
+    assert set(schema.PredictConfig().elastic_options()) == options
+    ElasticPredictConfig(output_dir="x", **load_config([]).predict.elastic_options())  # the defaults are valid
 
 
 def test_predict_refuses_weights_of_another_shape_naming_the_keys(tmp_path):
-    from lightning_paro.cli.commands import load_weights
-    from lightning_paro.cli.task import CHECKPOINT_MODEL_KEY, GPTTask
+    from lightning_paro.cli.commands import config_yaml, load_weights
 
-    tiny = load_config(["model=gpt_tiny"])
+    tiny = load_config(["model=gpt_tiny", f"run.dir={tmp_path}"])
     path = tmp_path / "w.ckpt"
-    torch.save({"state_dict": GPTTask(tiny.model).state_dict(),
-                CHECKPOINT_MODEL_KEY: dataclasses.asdict(tiny.model)}, path)
-    assert set(load_weights(path, tiny)) == set(GPTTask(tiny.model).state_dict())
+    trained = build_model(tiny)
+    torch.save({"state_dict": trained.state_dict()}, path)
+    (tmp_path / "config.yaml").write_text(config_yaml(tiny))  # what fit writes beside its checkpoint
+    fresh = build_model(tiny)
+    load_weights(fresh, path, tiny)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values()))
+    default = load_config([])
     with pytest.raises(ConfigError) as info:
-        load_weights(path, load_config([]))
+        load_weights(build_model(default), path, default)
     assert info.value.key == "model.seq_len" and "pass model.seq_len=32 model.dim=32 model.heads=2" in str(info.value)
+    (tmp_path / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match="does not fit model .lightning_paro.demo.GPTTask.: .*Missing key"):
+        load_weights(build_model(default), path, default)
     with pytest.raises(ConfigError, match="predict.checkpoint"):
-        load_weights(tmp_path / "missing.ckpt", tiny)
+        load_weights(fresh, tmp_path / "missing.ckpt", tiny)
 
 
 def test_predict_reads_a_sharded_checkpoint_directory(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from lightning_paro.cli.commands import read_checkpoint
-    from lightning_paro.cli.task import GPTTask
 
-    state = GPTTask(load_config(["model=gpt_tiny"]).model).state_dict()
+    state = build_model(load_config(["model=gpt_tiny"])).state_dict()
     directory = tmp_path / "sharded.ckpt"
     dcp.save({"state_dict": state}, checkpoint_id=str(directory))
     torch.save({"global_step": 7}, directory / "meta.pt")
@@ -253,11 +420,9 @@ def test_the_hierarchical_chunk_size_reaches_the_strategy():
 
 
 def test_trainable_blocks_freezes_all_but_the_last_blocks_and_the_final_norm():
-    from lightning_paro.cli.task import GPTTask
-
-    model = GPTTask(load_config(["model=gpt_tiny", "model.layers=3", "model.trainable_blocks=1"]).model)
+    model = build_model(load_config(["model=gpt_tiny", "model.layers=3", "model.trainable_blocks=1"]))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith(("blocks.2.", "ln_f.")) for n in trainable)
     assert {n for n, _ in model.named_parameters() if n.startswith("blocks.2.") or n.startswith("ln_f.")} == trainable
-    everything = GPTTask(load_config(["model=gpt_tiny"]).model)
+    everything = build_model(load_config(["model=gpt_tiny"]))
     assert all(p.requires_grad for p in everything.parameters())
