@@ -10,15 +10,18 @@ inter one, with no copies.
 thread ("paro-comm"): ranks issue them in the same order, so they match across ranks, and the caller's thread is free
 to compute while they run (``async_op=True`` returns a :class:`CommHandle`). Communicators of the same layout in one
 process share that thread and their process groups (:mod:`lightning_paro.comm.group_cache`), so building strategy
-after strategy adds neither, and work issued by one never races work issued by another. The rule for every other
-collective the strategy issues (Lightning's ``barrier``, ``broadcast`` and ``reduce``, which ``self.log(...,
-sync_dist=True)`` uses; the set-up broadcasts of parameters and buffers) is the same: it runs on that thread too
-(:meth:`Communicator.run`, :meth:`Communicator.broadcast`), after everything issued before it. NCCL needs this: kernels
-of different communicators launched from several host threads, in an order that differs between ranks, can wait on
-each other forever. On CUDA tensors HO-Ring runs its pipeline on this thread as well
-(:attr:`~lightning_paro.comm.ho_ring.HORingConfig.single_thread`). Collectives issued by user code outside the
-strategy are not covered: issue them while the strategy has none in flight (between steps, or after
-``engine.wait()``).
+after strategy adds neither, and work issued by one never races work issued by another.
+
+The rule for every other collective the strategy issues (Lightning's ``barrier``, ``broadcast`` and ``reduce``, which
+``self.log(..., sync_dist=True)`` uses; the set-up broadcasts of parameters and buffers) is the same: it runs on that
+thread too (:meth:`Communicator.run`, :meth:`Communicator.broadcast`), after everything issued before it. NCCL needs
+this: kernels of different communicators launched from several host threads, in an order that differs between ranks,
+can wait on each other forever. Single-thread mode (:attr:`Communicator.single_thread`, the default on CUDA) goes
+further: HO-Ring runs its pipeline on this thread too instead of on its phase threads, and a submit returns only once
+its collective is issued, so this thread is idle whenever the training thread runs. A collective issued on the
+training thread by other code, such as Lightning's per-batch broadcast of its SIGTERM flag or a metric's sync, then
+never runs beside the package's. Without single-thread mode (CPU, gloo), such collectives may run beside the
+package's, which gloo allows.
 
 **Failures.** A collective that fails on this thread raises :class:`CollectiveError` ("PaRO all_gather over scope
 'global' failed: ...") from the :meth:`CommHandle.wait` of its own handle and of every handle issued after it; the
@@ -34,6 +37,7 @@ the communicator's device: an NCCL group carries no CPU tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -124,6 +128,11 @@ class _Worker:
     def thread(self) -> threading.Thread:
         return self._thread
 
+    @property
+    def busy(self) -> bool:
+        """Running or holding work (a snapshot)."""
+        return self._running is not None or not self._queue.empty()
+
     def submit(self, fn: Callable[[], Any], op: str, scope: str) -> Future:
         if self.error is not None:
             raise self.error
@@ -206,12 +215,12 @@ class _Worker:
             try:
                 result = fn()
             except BaseException as err:  # surfaced to every waiting thread
+                self._running = None
                 self.fail(err if isinstance(err, CollectiveError) else CollectiveError(op, scope, err))
                 _settle(future, error=self.error)
             else:
+                self._running = None  # idle before the waiter wakes: it may issue a collective of its own next
                 _settle(future, result)
-            finally:
-                self._running = None
 
 
 class Communicator:
@@ -222,7 +231,8 @@ class Communicator:
         meter: where traffic is recorded (a new one by default).
         device: the compute device: control tensors must live there, and on CUDA the communication thread makes
             it current.
-        ho_ring_config: how global and rail collectives run as HO-Ring (``None``: plain two-phase collectives).
+        ho_ring_config: how global and rail collectives run as HO-Ring (``None``: plain two-phase collectives). Its
+            ``single_thread`` (default: on CUDA) also sets :attr:`single_thread` here.
         timeout: how long a collective may wait for its peers (default: the default process group's timeout); waits
             give up a margin after it (:func:`~lightning_paro.comm.group_cache.stall_limit`).
     """
@@ -234,9 +244,19 @@ class Communicator:
         self.meter = meter if meter is not None else TrafficMeter()
         self.device = device
         self._groups = topology.groups
+        single = ho_ring_config.single_thread if ho_ring_config is not None else None
+        if single is None and device is not None:
+            single = device.type == "cuda"
+        self.single_thread = bool(single)
+        """Issue before returning: every submit, ``async_op`` or not, returns once the communication thread has issued
+        its collective, so that thread is idle whenever the caller runs and no other thread's collective can come
+        between the package's in an order that differs between ranks. On NCCL, issuing only enqueues the work on the
+        GPU. On by default for CUDA, with HO-Ring's single-thread mode; on CPU, where gloo completes a collective
+        before returning, it would give up the overlap with compute."""
         # Global collectives run as HO-Ring (chunked, intra and inter phases overlapped on their own groups);
         # None keeps the plain two-phase version. Creating the groups is collective, like the ones above.
-        self.ho_ring_config = ho_ring_config
+        self.ho_ring_config = (ho_ring_config if ho_ring_config is None or single is None
+                               else dataclasses.replace(ho_ring_config, single_thread=single))
         # Rail (inter) collectives use HO-Ring's inter phase whenever there are several groups: point-to-point sends
         # of the ideal volume (the backend's reduce-scatter moves twice that), both link directions busy.
         self._ho_groups = (ho_ring.shared_groups(topology)
@@ -333,10 +353,10 @@ class Communicator:
     # ------------------------------------------------------------------ machinery
     def _submit(self, fn: Callable[[], None], async_op: bool, op: str, scope: str) -> CommHandle | None:
         handle = CommHandle(self._worker.submit(fn, op, scope), self._worker)
-        if async_op:
+        if async_op and not self.single_thread:
             return handle
         handle.wait()
-        return None
+        return handle if async_op else None
 
     def _check_device(self, tensor: torch.Tensor, op: str) -> None:
         # A cheap guard on the control path: a tensor left on the CPU cannot be carried by an NCCL group.
