@@ -88,6 +88,15 @@ def test_rail_collectives_match_the_flat_collective_over_the_rail(layout: str, c
     assert_all_passed(cases(world, f"rail_{collective}/{mode}/{layout}/"), world, RAIL_CASES)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_WORLD))
+def test_single_thread_mode_gives_the_same_bits_from_the_calling_thread(layout: str) -> None:
+    """Every global and rail collective in single-thread mode equals the phase threads' result bit for bit (rings
+    over 4 groups included), and every message was posted from the calling thread through batch_isend_irecv."""
+    world = LAYOUT_WORLD[layout]
+    rails = 3 if not layout.startswith("1x") else 0
+    assert_all_passed(cases(world, f"single_thread/{layout}/"), world, 3 + rails + 1)
+
+
 def test_groups_of_a_layout_are_created_once_per_process() -> None:
     assert_all_passed(cases(4, "shared_groups"), 4, 1)
     assert_all_passed(cases(8, "shared_groups"), 8, 1)

@@ -4,8 +4,10 @@ Usage: ho_ring_checks.py GROUP_SIZES [ROUND_ROBIN_GROUP_SIZE]; the torch.distrib
 launcher. Results are compared with the flat torch.distributed collective over the default group.
 """
 
+import dataclasses
 import os
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -122,6 +124,7 @@ def run_layout(m: int, groups=None, tag: str = "") -> None:
 
     if n // m > 1:
         run_rails(grp, layout, seed)
+    run_single_thread(topo, grp, layout)
 
     # Real-valued data: every rank must end with the same bits (replicas must not drift), close to the flat sum.
     gen = torch.Generator().manual_seed(7 + rank)
@@ -201,6 +204,66 @@ def run_rails(grp, layout: str, seed: int) -> None:
             if work is not None:
                 work.wait(timeout=60)
             compare(f"rail_{coll}/{mode}/{case}", got, want)
+
+
+def run_single_thread(topo: Topology, grp, layout: str) -> None:
+    """Single-thread mode against the phase threads: the same bits for every collective (real-valued data, so any
+    change in summation order would show), and every message posted from the calling thread, in batches."""
+    threaded = dataclasses.replace(PIPELINED, single_thread=False)
+    inline = dataclasses.replace(PIPELINED, single_thread=True)
+    gen = torch.Generator().manual_seed(11 + rank)
+    numel = 3001
+    a, b = ho_ring.shard_range(numel, topo, grp.position)
+    i, g = grp.group_index, topo.num_groups
+    ra, rb = ho_ring.split_range(0, numel, g)[i]
+    x, shard, rail_shard = (torch.randn(numel, generator=gen), torch.randn(b - a, generator=gen),
+                            torch.randn(rb - ra, generator=gen))
+
+    def collectives(cfg):
+        """name -> result of each collective under ``cfg``."""
+        out = {}
+        y = x.clone()
+        ho_ring.all_reduce(y, topo, config=cfg, groups=grp)
+        out["all_reduce"] = y
+        out["reduce_scatter"] = torch.empty(b - a)
+        ho_ring.reduce_scatter(out["reduce_scatter"], x, topo, config=cfg, groups=grp)
+        out["all_gather"] = torch.empty(numel)
+        ho_ring.all_gather(out["all_gather"], shard, topo, config=cfg, groups=grp)
+        if g > 1:
+            kw = {"chunk_bytes": cfg.chunk_bytes, "single_thread": cfg.single_thread}
+            y = x.clone()
+            ho_ring.rail_all_reduce(y, grp, **kw)
+            out["rail_all_reduce"] = y
+            out["rail_reduce_scatter"] = torch.empty(rb - ra)
+            ho_ring.rail_reduce_scatter(out["rail_reduce_scatter"], x, grp, **kw)
+            out["rail_all_gather"] = torch.empty(numel)
+            ho_ring.rail_all_gather(out["rail_all_gather"], rail_shard, grp, **kw)
+        return out
+
+    want = collectives(threaded)
+    issued = []  # (call, thread) of every message while single-thread mode runs
+    originals = {name: getattr(dist, name) for name in ("isend", "irecv", "batch_isend_irecv", "all_reduce")}
+
+    def watch(name):
+        def recorded(*args, **kwargs):
+            issued.append((name, threading.current_thread().name))
+            return originals[name](*args, **kwargs)
+        return recorded
+
+    for name in originals:
+        setattr(dist, name, watch(name))
+    try:
+        got = collectives(inline)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    for name in want:
+        report(f"single_thread/{layout}/{name}", torch.equal(got[name], want[name]),
+               f"max difference {(got[name] - want[name]).abs().max().item()}")
+    calls = {c for c, _ in issued}
+    threads = {t for _, t in issued}
+    report(f"single_thread/{layout}/one_thread", threads <= {threading.current_thread().name} and
+           calls <= {"batch_isend_irecv"} and (bool(calls) or n == 1), f"calls {calls} from threads {threads}")
 
 
 topo_world = Topology(world_size=n, group_size=group_sizes[0], rank=rank)
