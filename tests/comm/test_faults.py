@@ -19,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from launch import free_port, kill_all, start
 
 from lightning_paro.comm import ho_ring
 from lightning_paro.comm.collectives import CollectiveError, Communicator
+from lightning_paro.comm.group_cache import default_timeout
 from lightning_paro.comm.topology import Topology
 from lightning_paro.strategy.engine import Unit
 from lightning_paro.strategy.strategy import default_process_group_backend
@@ -212,3 +214,23 @@ def test_unit_gather_waits_for_each_handle():
 def test_default_backend_carries_cpu_tensors_beside_the_device_backend():
     assert default_process_group_backend(torch.device("cpu")) == "gloo"
     assert default_process_group_backend(torch.device("cuda", 1)) == "cuda:nccl,cpu:gloo"
+
+
+@pytest.mark.timeout(60)
+def test_groups_take_the_default_groups_timeout(monkeypatch):
+    """The package's groups wait as long as init_process_group(timeout=...) says, not torch's default for new groups
+    (30 minutes): read back through a private torch API, which this guards."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=17))
+    try:
+        assert default_timeout() == timedelta(seconds=17)
+        topo = Topology.from_process_group()
+        cpu = torch.device("cpu")
+        assert topo.groups.world._get_backend(cpu).options._timeout == timedelta(seconds=17)
+        groups = ho_ring.create_groups(topo)
+        assert groups.timeout == 17 and groups.world._get_backend(cpu).options._timeout == timedelta(seconds=17)
+        groups.close()
+        assert Communicator(topo)._worker.timeout_s == 17
+    finally:
+        dist.destroy_process_group()
