@@ -134,7 +134,7 @@ def build_trainer(cfg: Config, *, callbacks: Sequence[L.Callback] = (), user_cal
     """
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
-    kwargs: dict[str, Any] = dict(cfg.trainer)
+    kwargs: dict[str, Any] = {key: _built(f"trainer.{key}", value) for key, value in cfg.trainer.items()}
     chosen = targets.instantiate_nodes("callbacks", cfg.callbacks) if user_callbacks else []
     everything = [*chosen, *callbacks]
     if kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in everything):
@@ -155,6 +155,15 @@ def build_trainer(cfg: Config, *, callbacks: Sequence[L.Callback] = (), user_cal
         # the trainer group's values not fitting this machine or each other (e.g. no GPU, a group size that does
         # not divide the devices "auto" found).
         raise ConfigError("trainer", str(exc).strip().splitlines()[0]) from None
+
+
+def _built(key: str, value: Any) -> Any:
+    """A trainer argument, with ``_target_`` nodes (a profiler, plugins) built."""
+    if targets.is_target_node(value):
+        return targets.instantiate(key, value)
+    if isinstance(value, list):
+        return [targets.instantiate(f"{key}[{i}]", v) if targets.is_target_node(v) else v for i, v in enumerate(value)]
+    return value
 
 
 def build_model(cfg: Config) -> L.LightningModule:

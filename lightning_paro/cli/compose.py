@@ -364,6 +364,10 @@ def check_trainer(t: dict) -> None:
         if key not in known or key == "self":
             raise ConfigError(f"trainer.{key}", "is not an argument of lightning.Trainer"
                                                 f"{targets.closest(key, [k for k in known if k != 'self'])}")
+        values = t[key] if isinstance(t[key], list) else [t[key]]
+        for index, value in enumerate(values):
+            if targets.is_target_node(value):  # an object argument: a profiler, a plugin
+                targets.check_node(f"trainer.{key}" + (f"[{index}]" if isinstance(t[key], list) else ""), value)
     devices = _devices(t)
     if isinstance(devices, bool) or not (
         (isinstance(devices, int) and devices >= 1) or devices in ("auto", -1)

@@ -139,6 +139,12 @@ def test_trainer_keys_pass_through_to_lightning():
     trainer = build_trainer(cfg)
     assert trainer.limit_train_batches == 0.5 and trainer.reload_dataloaders_every_n_epochs == 2
     assert trainer.progress_bar_callback is None
+    # an object argument as a _target_ node
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    profiled = build_trainer(load_config(["trainer.devices=1", "trainer.accelerator=cpu",
+                                           "+trainer.profiler._target_=lightning.pytorch.profilers.SimpleProfiler"]))
+    assert isinstance(profiled.profiler, SimpleProfiler)
 
 
 def test_the_step_progress_bar_replaces_lightning_s():
@@ -192,6 +198,8 @@ BAD = [
     (["+trainer.strategy=ddp"], "trainer.strategy", "strategy group"),
     (["+trainer.logger=false"], "trainer.logger", "logger=none"),
     (["trainer.max_steps=0"], "trainer.max_steps", "-1"),
+    (["+trainer.profiler._target_=lightning.pytorch.profilers.SimpleProfiller"], "trainer.profiler._target_",
+     "cannot import"),
     (["+experiment.trainer.devices=2"], "experiment", "@package _global_"),
     (["strategy.memory_budget=0"], "strategy.memory_budget", "share"),
     (["strategy.inter_gbps=10"], "strategy.intra_gbps", "both"),
