@@ -238,12 +238,14 @@ def full_optimizer_state(engine: PaROEngine, opt_index: int) -> dict[str, Any]:
             full_states = {}
             for k, v in opt.state.get(master, {}).items():
                 if torch.is_tensor(v) and v.shape == master.shape:
-                    full = torch.zeros(f.layout.padded, dtype=v.dtype, device=v.device)
+                    # On the shard's device: Lightning's teardown moves optimizer states to the CPU, which an NCCL
+                    # group cannot carry (trainer.save_checkpoint after fit or validate).
+                    full = torch.zeros(f.layout.padded, dtype=v.dtype, device=master.device)
                     scope = {Level.N: None, Level.I: "intra", Level.G: "global"}[f.spec.optim]
                     if scope is None:
                         full.copy_(v)
                     else:
-                        engine.comm.all_gather(full, v.detach().contiguous(), scope)
+                        engine.comm.all_gather(full, v.detach().to(master.device).contiguous(), scope)
                     full_states[k] = full
                 else:
                     full_states[k] = v

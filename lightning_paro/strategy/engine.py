@@ -18,6 +18,7 @@ The engine is independent of Lightning: the strategy calls ``pre_step``, ``finis
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import OrderedDict
 from typing import Any, Iterable
 
@@ -32,6 +33,10 @@ from lightning_paro.strategy.levels import Level, ShardingSpec
 from lightning_paro.strategy.units import UnitPolicy, find_units
 
 ROOT = "<root>"
+
+_ENGINES: weakref.WeakValueDictionary[int, PaROEngine] = weakref.WeakValueDictionary()
+"""The engine that shards each module, by ``id(module)``: a new engine gives the module back from the previous one
+first (its hooks would stay on the module, and keep its buffers alive, otherwise)."""
 
 
 class Mode(enum.Enum):
@@ -147,13 +152,20 @@ class PaROEngine:
         self._hooks: list[RemovableHandle] = []
         self._order: list[Unit] = []  # execution order seen in the last forward
         self._seen: list[Unit] = []
+        self.attached = True
+        """Whether the module's parameters are this engine's (False once :meth:`restore_module` gave them back)."""
         _check_module(module)
+        previous = _ENGINES.get(id(module))
+        if previous is not None and previous.module is module and previous.attached:
+            # Another Trainer's strategy sharded this module before (one LightningModule, two Trainers).
+            previous.restore_module()
         self._flat_by_master: dict[int, FlatGroup] = {}
         self.units: list[Unit] = self._build_units(units, master_dtype)
         self.root: Unit = self.units[-1]
         self._adopt_optimizers()
         self._register_hooks()
         _broadcast_buffers(module, comm)
+        _ENGINES[id(module)] = self
 
     # ------------------------------------------------------------------ construction
     def _build_units(self, policy: UnitPolicy, master_dtype: torch.dtype | None) -> list[Unit]:
@@ -411,6 +423,64 @@ class PaROEngine:
             h.remove()
         self._hooks.clear()
         self.mode = Mode.FULL
+        self.attached = False
+        if _ENGINES.get(id(self.module)) is self:
+            del _ENGINES[id(self.module)]
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether this engine still shards ``module`` as it was built: the same parameter objects under the same
+        names, with the same shapes, dtypes and devices (``configure_model`` or a precision change may have replaced
+        them between stages)."""
+        if module is not self.module or not self.attached:
+            return False
+        slots = {id(s.param): (s, f) for f in self.flat_groups() for s in f.slots}
+        names = _param_names(module)
+        if names.keys() != slots.keys():
+            return False
+        for pid, (name, p) in names.items():
+            s, f = slots[pid]
+            if name != s.name or p.shape != s.shape or p.dtype != f.dtype or p.device != f.device:
+                return False
+        return True
+
+    def adopt_module_values(self) -> None:
+        """Collective. Take the module's current parameter values into this rank's shards, and rank 0's buffers,
+        keeping the optimizers and their states: for a stage that runs after fit on the same engine.
+
+        The module's values are the truth, as they are under "ddp": the user may have loaded weights into it after
+        fit, or moving it between devices may have given its parameters storage of their own (they become views of
+        the engine's buffers again). A separate master copy is refreshed only where it no longer rounds to the
+        parameters, so an unchanged one keeps its extra precision. The module is left gathered, as after fit.
+        """
+        self.wait()
+        self.materialize()
+        with torch.no_grad():
+            for f in self.flat_groups():
+                for s in f.slots:
+                    if not _is_view(s.param, f.p_full, s.offset):
+                        f.p_full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                        s.param.data = f.p_full[s.offset:s.offset + s.numel].view(s.shape)
+                if f.spec.params != Level.N:
+                    p0, p1 = f.layout.range(f.spec.params)
+                    f.p_local.copy_(f.p_full[p0:p1])
+                if _master_differs(f):
+                    o0, o1 = f.layout.range(f.spec.optim)
+                    f.master.copy_(f.p_full[o0:o1])
+        _broadcast_buffers(self.module, self.comm)
+
+    def prepare_next_forward(self) -> None:
+        """Manual optimization: get the root unit ready for another forward and backward in the same training step.
+
+        The root unit is gathered once per training step and freed by the backward; after an optimizer step a
+        gathered copy holds the old weights. Gather it again with the current weights and attach its gradients.
+        """
+        root = self.root
+        if root.sharded_params:
+            root.free()
+        root.ensure_ready()
+        root.backward_started = False
+        root.backward_done = False
+        root.pre_backward()
 
     def after_load(self) -> None:
         """After new weights were written into this rank's parameter shards: refresh separate master copies and
@@ -509,6 +579,21 @@ def _check_module(module: nn.Module) -> None:
                 f"Module {name!r} is an nn.Embedding with sparse=True: sparse gradients cannot be reduce-scattered."
                 " Use sparse=False."
             )
+
+
+def _is_view(param: torch.Tensor, full: torch.Tensor, offset: int) -> bool:
+    """Whether ``param`` is the engine's view of its slot in the flat buffer ``full``."""
+    return (param.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            and param.storage_offset() == full.storage_offset() + offset)
+
+
+def _master_differs(f: FlatGroup) -> bool:
+    """Whether a separate master copy (e.g. fp32 beside bf16 parameters) no longer rounds to the parameters: the
+    parameters were changed from outside. A master that does round to them keeps its extra precision."""
+    if not f.trainable or f.master.data_ptr() == f.own_param_slot.data_ptr():
+        return False
+    o0, o1 = f.layout.range(f.spec.optim)
+    return not torch.equal(f.master.detach().to(f.dtype), f.p_full[o0:o1])
 
 
 def _broadcast_buffers(module: nn.Module, comm: Communicator) -> None:

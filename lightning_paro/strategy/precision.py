@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
@@ -16,6 +17,15 @@ class _ShardedClipping:
     element-wise and needs no change)."""
 
     paro_engine: PaROEngine | None = None
+    paro_sync_grads: Optional[Callable[[], None]] = None
+    """Set by the strategy: under manual optimization, brings the gradients accumulated so far to the optimizer
+    shards, which clipping reads."""
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        if clip_val > 0 and self.paro_sync_grads is not None:
+            self.paro_sync_grads()
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         if self.paro_engine is None:

@@ -149,6 +149,8 @@ class PaROStrategy(ParallelStrategy):
         """Per optimizer step: bytes this rank sent, by scope."""
         self._last_snapshot: dict = {}
         self._sync_grads = True
+        self._manual: Optional[ManualSteps] = None
+        """Under manual optimization: when the gradients reach the optimizer shards."""
         self._failed = False
 
     # ------------------------------------------------------------------ properties
@@ -252,9 +254,19 @@ class PaROStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
+            check_one_optimizer(self.optimizers)
         if self._auto and (self.auto_plan is None or fitting):
             self._plan_sharding(trainer, fitting)
-        self._build_engine(self.optimizers if fitting else [])
+        assert self.lightning_module is not None
+        if fitting or self.engine is None or not self.engine.holds(self.lightning_module):
+            self._build_engine(self.optimizers if fitting else [])
+        else:
+            # validate / test / predict after fit: keep the engine and with it the fit's optimizer shards, which
+            # `trainer.save_checkpoint` saves afterwards (as "ddp" keeps its optimizers).
+            self.engine.adopt_module_values()
+        assert self.engine is not None
+        self._manual = ManualSteps(self.engine) if fitting and not self.lightning_module.automatic_optimization \
+            else None
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -290,6 +302,7 @@ class PaROStrategy(ParallelStrategy):
         self.engine = PaROEngine(self.lightning_module, self.sharding, self._comm, optimizers=raw, units=self._units,
                                  prefetch=self._prefetch, master_dtype=master_dtype)
         self.precision_plugin.paro_engine = self.engine
+        self.precision_plugin.paro_sync_grads = self._before_clip
         if self.engine._untracked:
             rank_zero_warn(
                 f"{len(self.engine._untracked)} parameters require grad but are in no optimizer (e.g."
@@ -318,9 +331,21 @@ class PaROStrategy(ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._manual is not None:
+            self._manual.before_backward()
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         assert self.engine is not None
-        self.engine.finish_backward(sync=self._sync_grads)
+        if self._manual is not None:
+            self._manual.after_backward()
+        else:
+            self.engine.finish_backward(sync=self._sync_grads)
+
+    def _before_clip(self) -> None:
+        if self._manual is not None:
+            self._manual.before_step()
 
     @contextmanager
     @override
@@ -335,10 +360,14 @@ class PaROStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        if self._manual is not None:
+            self._manual.before_step()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.engine is not None
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         self.engine.after_optimizer_step(raw)
+        if self._manual is not None:
+            self._manual.after_step()
         self._record_step_traffic()
         return out
 
@@ -417,7 +446,13 @@ class PaROStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.engine is not None
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        index = self.engine.optimizers.index(raw)
+        index = next((i for i, o in enumerate(self.engine.optimizers) if o is raw), None)
+        if index is None:
+            raise RuntimeError(
+                f"The optimizer {type(raw).__name__} of the last fit no longer holds this module's shards: the module's"
+                " parameters were replaced after fit (e.g. a `configure_model` that builds new layers on every call),"
+                " so the strategy sharded them anew. Save the checkpoint before validate/test/predict, or make"
+                " `configure_model` return early when the layers exist.")
         self.engine.wait()
         if self.state_dict_type == "sharded":
             return ckpt.optimizer_state(self.engine, index, for_save=True)
@@ -479,7 +514,10 @@ class PaROStrategy(ParallelStrategy):
         ckpt.check_keys_and_shapes(self.lightning_module.state_dict(keep_vars=True),
                                    ckpt.stored_shapes(metadata, "state_dict"), strict, "model")
         stored_opts = {k.split(".")[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")}
-        load_opts = [i for i in range(len(self.engine.optimizers)) if f"optimizer_{i}" in stored_opts]
+        # Optimizer states are restored for fit only, as Lightning does for "ddp": validate(ckpt_path=...) after fit
+        # reads the weights and leaves the fit's optimizer states as they are.
+        load_opts = [i for i in range(len(self.engine.optimizers)) if f"optimizer_{i}" in stored_opts] \
+            if self._fitting() else []
         for i in load_opts:
             ckpt.init_optimizer_state(self.engine, i)
             state[f"optimizer_{i}"] = ckpt.optimizer_state(self.engine, i, for_save=False)
@@ -500,6 +538,10 @@ class PaROStrategy(ParallelStrategy):
         self.engine.after_load()
         self._restored_sharded = True
         return torch.load(path / ckpt.META_FILE, weights_only=weights_only)
+
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        return module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -613,6 +655,56 @@ class PaROStrategy(ParallelStrategy):
         for name in VALID_STRATEGIES:
             strategy_registry.register(f"paro_{name.lower()}", cls, description=f"PaRO-DP strategy {name}",
                                        sharding=name)
+
+
+class ManualSteps:
+    """Manual optimization (``automatic_optimization=False``) on the engine.
+
+    ``manual_backward`` may run several times before a step, with forwards between: each backward only accumulates,
+    and the gradients reach the optimizer shards (``sync_grads``, once) when the step or a clip needs them. Between a
+    backward and the next forward, and after a step, the root unit is made ready again (gathered with the current
+    weights), since the training step may go on.
+    """
+
+    def __init__(self, engine: PaROEngine) -> None:
+        self.engine = engine
+        self.pending = False
+        """A backward ran since the last sync."""
+        self.synced = False
+        """The gradients are at the optimizer shards and the step has not run yet."""
+
+    def before_backward(self) -> None:
+        # Raised before the backward issues any collective, so that every rank stops with nothing in flight.
+        if self.synced:
+            raise RuntimeError("manual_backward ran after clip_gradients and before the optimizer step: under the PaRO"
+                               " strategy clip right before `opt.step()`, after the last manual_backward.")
+
+    def after_backward(self) -> None:
+        self.engine.finish_backward(sync=False)
+        self.pending = True
+        self.engine.prepare_next_forward()
+
+    def before_step(self) -> None:
+        """Before a step or a clip."""
+        if self.pending:
+            self.engine.sync_grads()
+            self.pending = False
+            self.synced = True
+
+    def after_step(self) -> None:
+        self.synced = False
+        self.engine.prepare_next_forward()
+
+
+def check_one_optimizer(optimizers: list[Optimizer]) -> None:
+    """The engine steps one optimizer (in automatic or manual optimization); fail at set-up, before any step, for
+    more."""
+    if len(optimizers) > 1:
+        names = ", ".join(type(o._optimizer if isinstance(o, LightningOptimizer) else o).__name__ for o in optimizers)
+        raise ValueError(
+            f"The PaRO strategy trains one optimizer; configure_optimizers returned {len(optimizers)} ({names}). Put"
+            " the parameters in one optimizer (each param group may set its own lr and hyper-parameters), or train"
+            " this module with strategy='ddp'.")
 
 
 def default_process_group_backend(device: torch.device) -> str:
