@@ -17,7 +17,7 @@ def test_demo_runs_end_to_end(tmp_path):
     out = proc.stdout
     assert "demo summary: paro IIG" in out
     assert "between groups" in out and "model states on rank 0" in out
-    assert "validation at the end of fit" in out and "predict: the first 4096 bytes of each of the" in out
+    assert "validation at the end of fit" in out and "the first 4096 of each of the" in out
     import pandas as pd
 
     table = pd.read_parquet(tmp_path / "predictions")

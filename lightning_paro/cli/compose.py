@@ -546,10 +546,16 @@ def _known_keys_hint(key: str, overrides: Sequence[str]) -> str:
     if "." not in key:
         return f"; the top-level keys are {', '.join(TOP_LEVEL_KEYS)}{targets.closest(key, TOP_LEVEL_KEYS)}"
     if group in ("model", "data", "trainer", "callbacks", "logger"):
+        # free-form nodes: the key may be a typo, or right and only absent from the config file so far
         parent, _, leaf = key.rpartition(".")
-        adding = (f"; to give {parent} an argument (or a Trainer argument) it has no key for, add it with"
-                  f" +{key}=VALUE")
-        return adding
+        adding = f"add it with +{key}=VALUE"
+        names = _argument_names(parent, overrides, key)
+        if names is None:
+            return f"; to give {parent} an argument its config has no key for, {adding}"
+        if leaf in names:
+            return f"; {parent} takes {leaf} but its config has no key for it: {adding}"
+        listed = "" if parent == "trainer" else f"its arguments are {', '.join(names)}; "
+        return f"{targets.closest(leaf, names)} ({listed}to pass one the config lacks, {adding})"
     schema = SETTINGS_SCHEMAS.get(group)
     if group == "strategy":
         rest = [o for o in overrides if o.lstrip("+~").split("=")[0].strip() != key]
@@ -563,6 +569,21 @@ def _known_keys_hint(key: str, overrides: Sequence[str]) -> str:
         return ""
     names = [f.name for f in dataclasses.fields(schema)]
     return f" in {group}; its keys are {', '.join(names)}{targets.closest(key.rpartition('.')[2], names)}"
+
+
+def _argument_names(parent: str, overrides: Sequence[str], failed: str) -> Optional[list[str]]:
+    """The argument names of the class the node ``parent`` builds (of lightning.Trainer for ``trainer``), composed
+    again without the override that failed; None when that cannot be told."""
+    if parent == "trainer":
+        return [k for k in _trainer_parameters() if k != "self"]
+    rest = [o for o in overrides if o.lstrip("+~").split("=")[0].strip() != failed]
+    try:
+        node = OmegaConf.select(_compose(rest), parent)
+        target = targets.locate(parent, node["_target_"])
+        return [p.name for p in inspect.signature(target).parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except Exception:  # the hint is a courtesy; the error itself stands without it
+        return None
 
 
 def _omegaconf_error(prefix: str, schema: type, exc: OmegaConfBaseException) -> ConfigError:

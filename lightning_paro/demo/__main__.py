@@ -71,6 +71,19 @@ def write_plot(fit: dict, path: Path) -> Optional[Path]:
     return path
 
 
+def _validation_bytes(cfg, world_size: int) -> int:
+    """Bytes the validation at the end of fit scored: limit_val_batches batches per rank, or all held-out windows."""
+    from lightning_paro.demo.data import split_files
+
+    data = cfg.data
+    _, held_out = split_files(data["train_bytes"], data["held_out_bytes"])
+    windows = (sum(p.stat().st_size for p in held_out) + len(held_out) - 1) // (data["seq_len"] + 1)
+    limit = cfg.trainer.get("limit_val_batches", 1.0)
+    if isinstance(limit, int):
+        windows = min(windows, world_size * limit * data["val_batch_size"])
+    return windows * data["seq_len"]
+
+
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(o in ("-h", "--help") for o in overrides):
@@ -105,17 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     if mem:
         lines.append(f"  model states on rank 0: parameters {_mb(mem['params'])}, gradients {_mb(mem['grads'])},"
                      f" optimizer {_mb(mem['optim'])}")
-    lines.append("  held-out bits per byte (8 would be no better than chance), one model, two samples of the same"
-                 " held-out files:")
+    seq = data.get("seq_len")
+    lines.append(f"  held-out bits per byte (8: no better than chance), each byte predicted from the bytes before it in"
+                 f" its {seq}-byte window:")
     if val is not None:
-        batches = cfg.trainer.get("limit_val_batches")
-        lines.append(f"    {val:.3f}  validation at the end of fit: {batches} batches of {data.get('val_batch_size')}"
-                     f" windows of {data.get('seq_len')} bytes per rank, from the held-out files run together")
+        lines.append(f"    {val:.3f}  validation at the end of fit: {_validation_bytes(cfg, fit['world_size']):,}"
+                     " bytes of the held-out files run together, from the start")
     lines += [
-        f"    {per_file:.3f}  predict: the first {data.get('max_bytes_per_file')} bytes of each of the {len(rows)}"
-        f" files, weighted by bytes (easiest {Path(ranked[0]['path']).name}, hardest {Path(ranked[-1]['path']).name})"
-        if rows else "    predict wrote no rows",
-        "    (they cover different bytes of those files, so they differ a little)",
+        f"    {per_file:.3f}  predict: {scored:,} bytes, the first {data.get('max_bytes_per_file')} of each of the"
+        f" {len(rows)} held-out files (easiest {Path(ranked[0]['path']).name}, hardest"
+        f" {Path(ranked[-1]['path']).name})" if rows else "    predict wrote no rows",
+        "    the same model on different bytes of the same files: the two figures are not expected to agree",
     ]
     plot = write_plot(fit, run_dir / PLOT_FILE)
     lines += [

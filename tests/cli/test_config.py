@@ -185,7 +185,9 @@ BAD = [
     (["model._target_=nowhere.Model"], "model._target_", "cannot import 'nowhere.Model'"),
     (["model._target_=lightning_paro.demo.StdlibData"], "model._target_", "not a LightningModule"),
     (["+model.widht=3"], "model.widht", "GPTTask takes no argument 'widht'"),
-    (["model.lyers=3"], "model.lyers", "+model.lyers"),
+    (["model.lyers=3"], "model.lyers", "did you mean layers? (its arguments are vocab, seq_len"),
+    (["trainer.max_time=1"], "trainer.max_time", "trainer takes max_time but its config has no key for it: add it"
+                                                  " with +trainer.max_time=VALUE"),
     (["~model", "~data"], "model", "model=NAME"),
     (["~model.seq_len"], "data.seq_len", "~data"),
     (["data._target_=torch.utils.data.Nope"], "data._target_", "cannot import"),
