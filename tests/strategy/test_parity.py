@@ -29,6 +29,7 @@ def runs(tmp_path_factory):
         ranks = [json.loads((out / f"{spec}.{r}.json").read_text()) for r in range(WORLD)]
         return ranks, torch.load(out / f"{spec}.pt", weights_only=True)
 
+    load.dir = out
     return load
 
 
@@ -156,3 +157,11 @@ def test_auto_chooses_one_strategy_on_every_rank_and_matches_ddp(runs):
         assert got[r]["losses"] == pytest.approx(base[r]["losses"], abs=1e-5)
     for k in base_w:
         torch.testing.assert_close(got_w[k], base_w[k], atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.timeout(600)
+def test_no_deprecation_warnings_from_the_package(runs):
+    """Training every strategy (and "auto", bf16, other optimizers) triggers no deprecation or future warning in a
+    call made by this package's code, on any rank."""
+    for r in range(WORLD):
+        assert json.loads((runs.dir / f"warnings.{r}.json").read_text()) == [], f"rank {r}"

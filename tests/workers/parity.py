@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import lightning as L  # noqa: E402
+from package_warnings import package_deprecations  # noqa: E402
 from tiny_lm import TinyLM, loader  # noqa: E402
 
 import lightning_paro  # noqa: E402,F401
@@ -51,23 +52,25 @@ class Probe(L.Callback):
             }
 
 
-for spec in strategies:
-    # NAME[@precision][#optimizer][%clip algorithm]
-    rest, _, clip = spec.partition("%")
-    rest, _, optimizer = rest.partition("#")
-    name, _, precision = rest.partition("@")
-    precision = precision or "32-true"
-    torch.manual_seed(1234)
-    model = TinyLM(optimizer=optimizer or "adamw")
-    strategy = "ddp_find_unused_parameters_true" if name == "ddp" else PaROStrategy(sharding=name, group_size=2)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
-                        accumulate_grad_batches=ACC, gradient_clip_val=1.0 if clip != "value" else 0.05,
-                        gradient_clip_algorithm=clip or "norm", precision=precision, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe := Probe()])
-    trainer.fit(model, loader(world * BS * ACC * STEPS))
-    result = {"losses": model.losses, "probe": getattr(model, "probe", None)}
-    (out_dir / f"{spec}.{rank}.json").write_text(json.dumps(result))
-    if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out_dir / f"{spec}.pt")
+with package_deprecations() as deprecations:
+    for spec in strategies:
+        # NAME[@precision][#optimizer][%clip algorithm]
+        rest, _, clip = spec.partition("%")
+        rest, _, optimizer = rest.partition("#")
+        name, _, precision = rest.partition("@")
+        precision = precision or "32-true"
+        torch.manual_seed(1234)
+        model = TinyLM(optimizer=optimizer or "adamw")
+        strategy = "ddp_find_unused_parameters_true" if name == "ddp" else PaROStrategy(sharding=name, group_size=2)
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
+                            accumulate_grad_batches=ACC, gradient_clip_val=1.0 if clip != "value" else 0.05,
+                            gradient_clip_algorithm=clip or "norm", precision=precision, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe := Probe()])
+        trainer.fit(model, loader(world * BS * ACC * STEPS))
+        result = {"losses": model.losses, "probe": getattr(model, "probe", None)}
+        (out_dir / f"{spec}.{rank}.json").write_text(json.dumps(result))
+        if rank == 0:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out_dir / f"{spec}.pt")
+(out_dir / f"warnings.{rank}.json").write_text(json.dumps(deprecations))
 print("done", rank)
