@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any, Callable, Literal, TypeVar
 
@@ -162,7 +162,10 @@ class _Worker:
             elif self.error is not None:
                 self._drain()
             else:
-                futures_wait([future], timeout=max(0.05, self.stall_limit - idle))
+                try:
+                    future.exception(timeout=max(0.05, self.stall_limit - idle))  # returns, without raising, once settled
+                except FutureTimeout:
+                    pass
                 continue
             if not future.done():
                 _settle(future, error=self.error)
