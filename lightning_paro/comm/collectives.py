@@ -163,7 +163,7 @@ class _Worker:
                 self._drain()
             else:
                 try:
-                    future.exception(timeout=max(0.05, self.stall_limit - idle))  # returns, without raising, once settled
+                    future.exception(timeout=max(0.05, self.stall_limit - idle))  # once settled: returns, not raises
                 except FutureTimeout:
                     pass
                 continue
