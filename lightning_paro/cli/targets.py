@@ -9,6 +9,7 @@ key, not a traceback from inside a launched process.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 from typing import Any, Mapping, Optional, Sequence
 
@@ -26,10 +27,8 @@ def locate(key: str, target: Any) -> Any:
     """The object ``target`` names, or a ConfigError naming ``key``."""
     if not isinstance(target, str) or not target.strip():
         raise ConfigError(f"{key}._target_", f"{target!r} must be the dotted name of a class, e.g. mymodule.MyModel")
-    from hydra.utils import get_object
-
     try:
-        return get_object(target)
+        return _import(target.strip())
     except Exception as exc:  # ImportError, or whatever the module raised while being imported
         cause = exc.__cause__ or exc
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
@@ -39,6 +38,29 @@ def locate(key: str, target: Any) -> Any:
             " importable from here (the working directory is on the import path; add other directories to"
             " PYTHONPATH)",
         ) from None
+
+
+def _import(dotted: str) -> Any:
+    """The object at ``dotted``: the longest prefix that is a module, then attributes (what Hydra's instantiate
+    will look up)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:end])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                continue  # no such module: the name goes on with attributes, or does not exist
+            raise  # the module exists and failed to import something of its own
+        break
+    else:
+        raise ModuleNotFoundError(f"No module named {parts[0]!r}", name=parts[0])
+    for attribute in parts[end:]:
+        if not hasattr(obj, attribute):
+            raise ImportError(f"{'.'.join(parts[:end])!r} has no attribute {attribute!r}")
+        obj = getattr(obj, attribute)
+        end += 1
+    return obj
 
 
 def _name(obj: Any) -> str:
