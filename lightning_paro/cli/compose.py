@@ -94,8 +94,10 @@ def user_config_dirs(config_dirs: Iterable[Path] = ()) -> list[Path]:
     return out
 
 
-def _search_path(config_dirs: Sequence[Path], overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(the search path entries to add, the overrides without ``hydra.searchpath``)."""
+def _search_path(config_dirs: Sequence[Path], overrides: Sequence[str],
+                 cwd: Optional[Path] = None) -> tuple[list[str], list[str]]:
+    """(the search path entries to add, the overrides without ``hydra.searchpath``); relative ``file://`` entries
+    are relative to ``cwd`` (default: the working directory)."""
     entries = [f"file://{d}" for d in user_config_dirs(config_dirs)]
     rest = []
     for override in overrides:
@@ -113,7 +115,7 @@ def _search_path(config_dirs: Sequence[Path], overrides: Sequence[str]) -> tuple
             if entry.startswith("file://"):
                 path = Path(entry[len("file://"):]).expanduser()
                 if not path.is_absolute():
-                    path = Path.cwd() / path  # relative to where the command was started, as run.dir is
+                    path = Path(cwd or os.getcwd()) / path  # relative to where the command started, as run.dir
                 if not path.is_dir():
                     raise ConfigError("hydra.searchpath", f"{path} is not a directory")
                 entry = f"file://{path.resolve()}"
@@ -160,7 +162,7 @@ def compose_raw(overrides: Sequence[str], config_dirs: Sequence[Path] = (), cwd:
             raise ConfigError(key, "Hydra's own settings do not apply to this command line; outputs go to run.dir"
                                    " (e.g. run.dir=outputs/exp1), sweeps use -m, config directories --config-dir or"
                                    " hydra.searchpath")
-    entries, rest = _search_path(config_dirs, overrides)
+    entries, rest = _search_path(config_dirs, overrides, cwd)
     _check_shadowing(entries)
     if entries:
         rest.append("hydra.searchpath=[" + ",".join(_quote(e) for e in entries) + "]")
