@@ -50,10 +50,16 @@ def predictions_dir(cfg: Config) -> Path:
 
 
 def config_yaml(cfg: Config) -> str:
-    """The composed config as YAML (what fit saves beside its checkpoint, and --cfg prints)."""
+    """The composed config as YAML (what fit saves beside its checkpoint, and --cfg prints), with the password of a
+    ledger URL left out."""
     import dataclasses
 
-    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))
+    from lightning_paro.predict.db import redact_url
+
+    plain = dataclasses.asdict(cfg)
+    if plain["predict"].get("ledger"):
+        plain["predict"]["ledger"] = redact_url(plain["predict"]["ledger"])
+    return OmegaConf.to_yaml(OmegaConf.create(plain))
 
 
 class LossRecorder(L.Callback):

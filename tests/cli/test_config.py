@@ -334,6 +334,16 @@ def test_print_config_and_help(capsys):
     assert "paro_nig" in out and "fsdp2" in out and "gpt_tiny" in out
 
 
+def test_a_ledger_password_is_never_printed_or_saved(capsys):
+    from lightning_paro.cli.commands import config_yaml
+
+    url = "postgresql://user:s3cret@db.example/jobs"
+    assert main(["predict", "--cfg", f"predict.ledger='{url}'"]) == 0
+    printed = capsys.readouterr().out
+    assert "s3cret" not in printed and "postgresql://user:***@db.example/jobs" in printed
+    assert "s3cret" not in config_yaml(load_config([f"predict.ledger='{url}'"]))
+
+
 def test_parse_args_keeps_overrides_in_order_and_flags_anywhere():
     inv = parse_args(["-m", "bench", "strategy=paro", "--config-dir=/x", "strategy.sharding=NIG,GGG"])
     assert inv.command == "bench" and inv.multirun and inv.config_dirs == (Path("/x"),)
