@@ -130,3 +130,15 @@ def test_a_config_error_is_one_line_from_the_entry_point(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("lightning-paro: error: strategy.sharding: 'XYZ'"), done.stderr
     assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_shards_a_model_that_does_not_shard_itself(tmp_path):
+    # GPTTask has no configure_model: the fsdp2 strategy applies fully_shard to its blocks and to the whole model
+    bench = run_cli(["bench", *TINY, "strategy=fsdp2", "bench.warmup_steps=1", "bench.steps=1", "run.name=f"],
+                    tmp_path, timeout=180)
+    assert bench.returncode == 0, bench.describe()
+    result = json.loads((tmp_path / "runs" / "f" / "bench.json").read_text())
+    assert result["strategy"] == "fsdp2" and result["world_size"] == 2
+    # every parameter is a DTensor split over the 2 ranks: rank 0 holds about half of the fp32 parameters
+    assert result["model_state_bytes_rank0"]["params"] == pytest.approx(4 * result["parameters"] / 2, rel=0.05)
