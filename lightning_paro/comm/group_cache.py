@@ -19,6 +19,7 @@ would wait that long for a peer that is gone.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import weakref
 from datetime import timedelta
@@ -43,8 +44,8 @@ def cached_groups(key: Hashable, create: Callable[[], T]) -> T:
         if entries is None:
             entries = {}
             _by_world[world] = entries
-            # Not at interpreter exit: a process leaving after a failed collective must not wait for threads that
-            # may still be blocked in it; exiting ends them anyway.
+            # Not through the finalizer at interpreter exit (it would wait without bound for a thread still blocked
+            # in a failed collective): _close_at_exit stops them there, with a deadline.
             weakref.finalize(world, _close_all, entries).atexit = False
         if key not in entries:
             entries[key] = create()
@@ -67,6 +68,27 @@ def stall_limit(timeout_s: float) -> float:
     """How long a waiter lets a collective go without progress before it declares it failed: the backend's timeout
     plus a margin, so that the backend's own error (which names the peer and the message) normally comes first."""
     return timeout_s + max(5.0, 0.25 * timeout_s)
+
+
+EXIT_DEADLINE_S = 5.0
+"""How long interpreter exit waits for the cached threads to stop."""
+
+
+def _close_at_exit() -> None:
+    # The cached threads are daemons. Left running into interpreter finalization, one that is inside a torch call
+    # when it next needs the GIL is ended by a forced unwind through C++ frames, which aborts the whole process
+    # ("terminate called without an active exception") after it has done its work. Stop them first: idle ones return
+    # at once; one blocked in a collective that will never finish (a peer died) is left behind after the deadline.
+    with _lock:
+        pending = [entries for entries in list(_by_world.values()) if entries]
+    if not pending:
+        return
+    closer = threading.Thread(target=lambda: [_close_all(e) for e in pending], name="paro-exit", daemon=True)
+    closer.start()
+    closer.join(EXIT_DEADLINE_S)
+
+
+atexit.register(_close_at_exit)
 
 
 def _close_all(entries: dict[Hashable, Any]) -> None:
