@@ -128,6 +128,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                " them back under the flattened keys",
                _source_mentions("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.set_up_planner",
                                 "self.state_dict", "self.mappings")),
+    PrivateAPI("torch.distributed ProcessGroup._get_backend(device).options._timeout", "strategy",
+               "comm/group_cache.py default_timeout: the groups the package creates take the default group's timeout"
+               " (torch would give them 30 minutes); without it they fall back to torch's default",
+               _attr("torch.distributed", "ProcessGroup", "_get_backend")),
 )
 """Every private or undocumented torch and Lightning API the package uses."""
 
