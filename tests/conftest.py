@@ -4,3 +4,26 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A Communicator over a world of one CPU process, with its own default group (so its communication thread is
+    not shared with other tests)."""
+    import torch
+    import torch.distributed as dist
+    from launch import free_port
+
+    from lightning_paro.comm.collectives import Communicator
+    from lightning_paro.comm.topology import Topology
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield Communicator(Topology.from_process_group(), device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()

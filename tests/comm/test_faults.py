@@ -110,16 +110,8 @@ def test_every_surviving_rank_raises_and_exits(fault):
 
 # ---------------------------------------------------------------------------------------------- unit level
 @pytest.fixture
-def comm(monkeypatch):
-    """A Communicator over a world of one, with its own default group (so its thread is not shared with other
-    tests)."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield Communicator(Topology.from_process_group(), device=torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+def comm(world_of_one):
+    return world_of_one
 
 
 def _block(comm: Communicator) -> threading.Event:

@@ -17,10 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from collective_audit import Recorder
-from launch import free_port, launch
+from launch import launch
 
-from lightning_paro.comm.collectives import Communicator
-from lightning_paro.comm.topology import Topology
 
 WORLD = 4
 STRATEGIES = ["NNN", "NNI", "IGG", "GIG", "III"]
@@ -86,16 +84,6 @@ def test_single_thread_mode_gives_the_same_bits(audit, spec):
 
 
 # ------------------------------------------------------------------------------------------- the audit itself
-@pytest.fixture
-def world_of_one(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield Communicator(Topology.from_process_group(), device=torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-
 
 def test_the_audit_sees_a_tensor_created_without_a_device(world_of_one):
     """What the fit-level audit relies on: under it, a tensor made without a device is a meta tensor, which the
