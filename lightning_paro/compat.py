@@ -128,6 +128,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                " them back under the flattened keys",
                _source_mentions("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.set_up_planner",
                                 "self.state_dict", "self.mappings")),
+    PrivateAPI("lightning.pytorch.Trainer._active_loop (.batch_progress.is_last_batch)", "strategy",
+               "PaROStrategy sharded evaluation: a rank joins its peers' gathers right after its last batch, which the"
+               " loop knows one batch ahead (without it, at the end of the stage)",
+               _attr("lightning.pytorch", "Trainer", "_active_loop")),
     PrivateAPI("torch.distributed ProcessGroup._get_backend(device).options._timeout", "strategy",
                "comm/group_cache.py default_timeout: the groups the package creates take the default group's timeout"
                " (torch would give them 30 minutes); without it they fall back to torch's default",

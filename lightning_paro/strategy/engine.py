@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_paro.comm.collectives import CommHandle, Communicator
-from lightning_paro.strategy.flat import FlatGroup
+from lightning_paro.strategy.flat import FlatGroup, GatherMeter
 from lightning_paro.strategy.levels import Level, ShardingSpec
 from lightning_paro.strategy.units import UnitPolicy, find_units
 
@@ -45,6 +45,10 @@ class Mode(enum.Enum):
     FULL = "full"
     """Evaluation: every unit stays gathered, hooks do nothing (no collectives per batch, so ranks may run
     different numbers of batches)."""
+    EVAL = "eval"
+    """Sharded evaluation: the root unit stays gathered, the other units are gathered one at a time (with prefetch)
+    and freed after their forward; ranks that ran out of batches replay the gathers of their peers' steps (see
+    :meth:`PaROEngine.begin_eval`)."""
 
 
 class Unit:
@@ -162,6 +166,16 @@ class PaROEngine:
         self._flat_by_master: dict[int, FlatGroup] = {}
         self.units: list[Unit] = self._build_units(units, master_dtype)
         self.root: Unit = self.units[-1]
+        self.gather_meter = GatherMeter()
+        """Gathered parameter bytes alive on this rank, their high-water mark, and an optional limit (debug)."""
+        for f in self.flat_groups():
+            f.gather_meter = self.gather_meter
+        self._eval_seq: list[Unit] = []
+        self._eval_step: list[Unit] | None = None
+        self._eval_tail = False
+        self._eval_joined = False
+        self.eval_rounds = 0
+        """Rounds of sharded evaluation this rank took part in (one scalar all-reduce each)."""
         self._adopt_optimizers()
         self._register_hooks()
         _broadcast_buffers(module, comm)
@@ -236,6 +250,9 @@ class PaROEngine:
 
     def _make_pre_forward(self, unit: Unit):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
+            if self.mode is Mode.EVAL:
+                self._eval_enter(unit)
+                return None
             if self.mode is not Mode.SHARDED:
                 return None
             unit.ensure_ready()
@@ -249,6 +266,9 @@ class PaROEngine:
 
     def _make_post_forward(self, unit: Unit):
         def hook(module: nn.Module, args: tuple, output: Any):
+            if self.mode is Mode.EVAL:
+                unit.free()
+                return None
             if self.mode is not Mode.SHARDED:
                 return None
             if unit.sharded_params:
@@ -398,6 +418,140 @@ class PaROEngine:
             if unit.sharded_params:
                 unit.free()
         self.mode = Mode.SHARDED
+        self._eval_step = None
+
+    @property
+    def full_param_bytes(self) -> int:
+        """Bytes of every parameter buffer gathered at once (padded): what :meth:`materialize` holds."""
+        return sum(f.full_bytes for f in self.flat_groups())
+
+    # Sharded evaluation. Ranks may run different numbers of batches (Lightning's predict sampler does not pad), but
+    # every gather is a collective over the P scope. So evaluation goes in rounds, one per step: each rank first
+    # adds a "still running" flag into one scalar all-reduce over that scope. A rank that has run its last step
+    # keeps taking part in the rounds with a 0 and, while any peer still runs, issues the gathers of one step
+    # without computing, until a round counts no rank running. The gathers such a rank replays are the sequence of
+    # units of the latest step every rank ran (the same on every rank, since all of them issued those gathers
+    # together); in a round where a peer has finished, a running rank must use its units in that order.
+    def begin_eval(self) -> None:
+        """Start a sharded evaluation stage (collective over the P scope): the root unit is gathered for the whole
+        stage, the other units in each forward. With P = N this is :meth:`materialize` (nothing to gather)."""
+        if not self.root.sharded_params:
+            self.materialize()
+            return
+        self.wait()
+        self.release()
+        self.root.ensure_ready()
+        units = [u for u in self._order if u is not self.root] or self.units[:-1]
+        self._eval_seq = [u for u in units if u.sharded_params]
+        self._eval_step = None
+        self._eval_tail = False
+        self._eval_joined = False
+        self.mode = Mode.EVAL
+
+    def eval_step_begin(self) -> None:
+        """Before an evaluation step: this rank's round, flag 1 (running)."""
+        if self.mode is not Mode.EVAL:
+            return
+        running = self._join_round(running=True)
+        self._eval_tail = running < self._eval_scope_size()
+        self._eval_step = []
+
+    def eval_step_end(self, last: bool) -> None:
+        """After an evaluation step; ``last``: this rank has no more batches in this stage, so it serves its peers'
+        gathers until every rank has run its last step."""
+        if self.mode is not Mode.EVAL or self._eval_step is None:
+            return
+        done, self._eval_step = self._eval_step, None
+        if self._eval_tail:
+            # Peers that finished replay the whole agreed sequence: issue the gathers this step did not use.
+            self._replay(self._eval_seq[len(done):])
+        elif done:
+            self._eval_seq = done
+        for unit in self.units[:-1]:  # a prefetched unit the step did not use
+            unit.free()
+        if last:
+            self.join()
+
+    def join(self) -> None:
+        """Serve the peers' gathers until every rank of the P scope has run its last step (collective)."""
+        if self.mode is not Mode.EVAL or self._eval_joined:
+            return
+        while self._join_round(running=False) > 0:
+            self._replay(self._eval_seq)
+        self._eval_joined = True
+
+    def end_eval(self) -> None:
+        """End of an evaluation stage: join if the last step did not, then free what is sharded."""
+        if self.mode is Mode.EVAL:
+            self.join()
+        if self.mode in (Mode.EVAL, Mode.FULL):
+            self.release()
+
+    def _eval_enter(self, unit: Unit) -> None:
+        step = self._eval_step
+        pos = len(step) if step is not None else -1
+        in_seq = 0 <= pos < len(self._eval_seq) and self._eval_seq[pos] is unit
+        if step is not None:
+            if self._eval_tail and unit.sharded_params and not in_seq:
+                raise RuntimeError(
+                    f"Sharded evaluation: this step used unit {unit.name!r} as its gather number {pos + 1}, where the"
+                    f" ranks that have run out of batches replay {len(self._eval_seq)} gathers in the order of the last"
+                    " step every rank ran. Every evaluation step must use the model's units in the same order; or"
+                    " gather the model in full for evaluation (PaROStrategy(gather='full')).")
+            if unit.sharded_params:
+                step.append(unit)
+        unit.ensure_ready()
+        if in_seq:
+            for nxt in self._eval_seq[pos + 1:pos + 1 + self.prefetch]:
+                nxt.gather(async_op=True)
+
+    def _replay(self, units: list[Unit]) -> None:
+        """The gathers and frees a step over ``units`` issues, in the same order, without computing."""
+        for pos, unit in enumerate(units):
+            unit.ensure_ready()
+            for nxt in units[pos + 1:pos + 1 + self.prefetch]:
+                nxt.gather(async_op=True)
+            unit.free()
+
+    def _join_round(self, running: bool) -> int:
+        self.eval_rounds += 1
+        flag = torch.full((1,), int(running), dtype=torch.int32, device=self._control_device())
+        self.comm.scalar_all_reduce(flag, self._eval_scope())
+        return int(flag.item())
+
+    def _eval_scope(self) -> str:
+        return "global" if self.spec.params == Level.G else "intra"
+
+    def _eval_scope_size(self) -> int:
+        topo = self.comm.topology
+        return topo.world_size if self.spec.params == Level.G else topo.group_size
+
+    def _control_device(self) -> torch.device:
+        if self.comm.device is not None:
+            return self.comm.device
+        return next((f.device for f in self.flat_groups()), torch.device("cpu"))
+
+    @torch.no_grad()
+    def full_state_dict(self, rank0_only: bool = False, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The module's state dict with full tensors copied to ``device``, gathered one unit at a time (collective):
+        the device holds at most one more unit than it does already. With ``rank0_only`` other ranks take part in
+        the gathers and return an empty dict."""
+        self.wait()
+        keep = rank0_only is False or self.comm.topology.rank == 0
+        copies: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            was_gathered = all(f.gathered for f in unit.flats)
+            unit.ensure_ready()
+            if keep:
+                for f in unit.flats:
+                    for s in f.slots:
+                        copies[id(s.param)] = s.param.detach().to(device, copy=True)
+            if not was_gathered:
+                unit.free()
+        if not keep:
+            return {}
+        return {k: copies[id(v)] if id(v) in copies else v.detach().to(device, copy=True)
+                for k, v in self.module.state_dict(keep_vars=True).items()}
 
     def wait(self) -> None:
         """Wait for every collective in flight."""
@@ -451,8 +605,13 @@ class PaROEngine:
         fit, or moving it between devices may have given its parameters storage of their own (they become views of
         the engine's buffers again). A separate master copy is refreshed only where it no longer rounds to the
         parameters, so an unchanged one keeps its extra precision. The module is left gathered, as after fit.
+
+        A module left sharded after fit has no other values than the shards: nothing is gathered then.
         """
         self.wait()
+        if self.mode is not Mode.FULL and self.root.sharded_params:
+            _broadcast_buffers(self.module, self.comm)
+            return
         self.materialize()
         with torch.no_grad():
             for f in self.flat_groups():
@@ -493,6 +652,8 @@ class PaROEngine:
                     f.free_params()
         if self.mode is Mode.FULL:
             self.materialize()
+        elif self.mode is Mode.EVAL:
+            self.root.ensure_ready()
 
     def memory_report(self) -> dict[str, int]:
         """Persistent per-rank bytes of model states held by the engine (padding included).

@@ -35,6 +35,35 @@ def alloc_storage(t: torch.Tensor) -> bool:
     return True
 
 
+class GatherMeter:
+    """Bytes of gathered (full) parameter buffers alive at once on this rank, and their high-water mark.
+
+    Updated on every gather and free (two integer additions); ``limit``, when set, makes a gather that would go past
+    it raise (a debug check: a test bounds a rank's gathered bytes below the full model this way).
+    """
+
+    def __init__(self) -> None:
+        self.alive = 0
+        """Gathered bytes alive now."""
+        self.peak = 0
+        """The most gathered bytes alive at any moment since the last :meth:`reset_peak`."""
+        self.limit: int | None = None
+        """Raise on a gather past this many bytes (None: no check)."""
+
+    def add(self, nbytes: int) -> None:
+        if self.limit is not None and self.alive + nbytes > self.limit:
+            raise RuntimeError(f"PaRO gather of {nbytes} bytes would hold {self.alive + nbytes} gathered parameter"
+                               f" bytes at once, over the limit of {self.limit}.")
+        self.alive += nbytes
+        self.peak = max(self.peak, self.alive)
+
+    def sub(self, nbytes: int) -> None:
+        self.alive -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.alive
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter lives in its flat buffer."""
@@ -104,6 +133,8 @@ class FlatGroup:
         """Ranges of the optimizer shard that no rank produced a gradient for: the step must leave them alone."""
         self.pending_reduce: CommHandle | None = None
         self.pending_param_sync: CommHandle | None = None
+        self.gather_meter = GatherMeter()
+        """Where gathers and frees of ``p_full`` are counted (the engine shares one among its groups)."""
         if trainable:
             self._init_trainable(master_dtype)
 
@@ -147,6 +178,7 @@ class FlatGroup:
         """All-gather the P-level shards into the full buffer (P = I: intra; P = G: inter then intra)."""
         if self.spec.params == Level.N or self.gathered:
             return None
+        self.gather_meter.add(self.full_bytes)
         alloc_storage(self.p_full)
         self.gathered = True
         p0, _ = self.layout.range(self.spec.params)
@@ -160,6 +192,12 @@ class FlatGroup:
         if self.spec.params != Level.N and self.gathered:
             free_storage(self.p_full)
             self.gathered = False
+            self.gather_meter.sub(self.full_bytes)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the gathered (full, padded) parameter buffer."""
+        return self.p_full.numel() * self.p_full.element_size()
 
     # ------------------------------------------------------------------ gradients
     def prepare_grads(self) -> None:

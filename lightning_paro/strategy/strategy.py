@@ -6,7 +6,7 @@ import atexit
 import logging
 import shutil
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -43,14 +43,40 @@ from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator, comm
 from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
 from lightning_paro.strategy import checkpoint as ckpt
-from lightning_paro.strategy.auto import AutoConfig, Plan, format_plan, plan_for_job
-from lightning_paro.strategy.engine import PaROEngine
+from lightning_paro.strategy.auto import (AutoConfig, Plan, agreed_minimum, device_memory_bytes, format_plan,
+                                         plan_for_job)
+from lightning_paro.strategy.engine import Mode, PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.precision import to_paro_precision
 from lightning_paro.strategy.report import StepTraffic, format_summary
 from lightning_paro.strategy.units import UnitPolicy
 
 log = logging.getLogger(__name__)
+
+GatherMode = Literal["auto", "full", "sharded"]
+
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """When the strategy holds the whole model gathered on every rank (P = I or G; with P = N it always does)."""
+
+    evaluation: GatherMode = "auto"
+    """validate, test, predict: "full" gathers every unit once per stage, "sharded" one unit at a time as in training,
+    "auto" in full when the full parameters fit ``memory_fraction`` of the free memory."""
+    after_fit: GatherMode = "auto"
+    """The module after fit: "full" hands it back with full parameters, "sharded" leaves them sharded (read the
+    weights through a checkpoint or ``export_full_state_dict``), "auto" full when they fit."""
+    memory_fraction: float = 0.5
+    """"auto": the share of free device memory (CPU: the rank's share of available host memory) the full parameters
+    may take."""
+
+    def __post_init__(self) -> None:
+        for name in ("evaluation", "after_fit"):
+            if getattr(self, name) not in ("auto", "full", "sharded"):
+                raise ValueError(f"GatherConfig.{name} must be 'auto', 'full' or 'sharded', got"
+                                 f" {getattr(self, name)!r}.")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"GatherConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}.")
 
 
 class PaROStrategy(ParallelStrategy):
@@ -80,6 +106,9 @@ class PaROStrategy(ParallelStrategy):
         timeout: how long a collective waits for its peers; every group the strategy creates gets it. When a
             collective fails (a peer raised, died, or stopped issuing collectives for this long), every surviving rank
             raises :class:`~lightning_paro.comm.collectives.CollectiveError` naming the operation and scope.
+        gather: whether evaluation and the module after fit hold the whole model gathered: a
+            :class:`GatherConfig`, or ``"auto"`` (default: full when it fits the memory), ``"full"`` or ``"sharded"``
+            for both.
     """
 
     strategy_name = "paro"
@@ -102,6 +131,7 @@ class PaROStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        gather: Union[GatherMode, GatherConfig] = "auto",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -128,6 +158,13 @@ class PaROStrategy(ParallelStrategy):
         if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
                                         or chunk_bytes < 1):
             raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}.")
+        if isinstance(gather, str):
+            if gather not in ("auto", "full", "sharded"):
+                raise ValueError(f"gather must be 'auto', 'full', 'sharded' or a GatherConfig, got {gather!r}.")
+            gather = GatherConfig(evaluation=gather, after_fit=gather)
+        elif not isinstance(gather, GatherConfig):
+            raise TypeError(f"gather must be 'auto', 'full', 'sharded' or a GatherConfig, got {gather!r}.")
+        self.gather = gather
         self._group_size = group_size
         self._chunk_bytes = chunk_bytes
         self.state_dict_type = state_dict_type
@@ -381,38 +418,95 @@ class PaROStrategy(ParallelStrategy):
             module.log_dict({"paro/intra_bytes": float(step.intra), "paro/inter_bytes": float(step.inter)},
                             on_step=True, on_epoch=False, rank_zero_only=True, prog_bar=False)
 
-    # ------------------------------------------------------------------ evaluation: gather once, no per-batch collectives
+    # ------------------------------------------------------------------ evaluation: gathered in full, or sharded
     @override
     def on_validation_start(self) -> None:
-        self._materialize()
+        self._begin_eval()
 
     @override
     def on_validation_end(self) -> None:
-        self._release()
+        self._end_eval()
 
     @override
     def on_test_start(self) -> None:
-        self._materialize()
+        self._begin_eval()
 
     @override
     def on_test_end(self) -> None:
-        self._release()
+        self._end_eval()
 
     @override
     def on_predict_start(self) -> None:
-        self._materialize()
+        self._begin_eval()
 
     @override
     def on_predict_end(self) -> None:
-        self._release()
+        self._end_eval()
 
-    def _materialize(self) -> None:
-        if self.engine is not None:
-            self.engine.materialize()
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().validation_step, *args, **kwargs)
 
-    def _release(self) -> None:
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().predict_step, *args, **kwargs)
+
+    def _begin_eval(self) -> None:
+        if self.engine is None:
+            return
+        if self._gather_in_full(self.gather.evaluation):
+            self.engine.materialize()  # no collective per batch
+        else:
+            self.engine.begin_eval()
+
+    def _end_eval(self) -> None:
         if self.engine is not None:
-            self.engine.release()
+            self.engine.end_eval()
+
+    def _eval_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None or engine.mode is not Mode.EVAL:
+            return step(*args, **kwargs)
+        engine.eval_step_begin()
+        out = step(*args, **kwargs)
+        engine.eval_step_end(last=self._last_eval_batch())
+        return out
+
+    def _last_eval_batch(self) -> bool:
+        """Whether the batch just run is this rank's last of the stage (Lightning knows it one batch ahead; with a
+        ``dataloader_iter`` step it does not, and the rank joins at the end of the stage instead)."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        loop = getattr(trainer, "_active_loop", None)
+        progress = getattr(loop, "batch_progress", None)
+        return bool(getattr(progress, "is_last_batch", False))
+
+    def _gather_in_full(self, mode: GatherMode) -> bool:
+        """Collective under "auto": every rank takes the same decision, from the smallest free memory."""
+        assert self.engine is not None
+        if mode != "auto" or not self.engine.root.sharded_params:
+            return mode != "sharded" or not self.engine.root.sharded_params
+        free = device_memory_bytes(self.root_device, ranks_on_host=self.num_processes)
+        if _distributed_is_initialized():
+            free = self._on_comm_thread(lambda: agreed_minimum(free, device=self.root_device), "gather decision")
+        return self.engine.full_param_bytes <= self.gather.memory_fraction * free
+
+    def export_full_state_dict(self, path: Union[str, Path]) -> None:
+        """Write the module's full state dict (``torch.save``) to ``path`` from rank 0, gathering one unit at a time
+        onto rank 0's CPU: for a model whose parameters do not fit one rank's device at once (collective)."""
+        assert self.engine is not None, "export_full_state_dict needs the strategy set up (after fit or a stage)"
+        state = self.engine.full_state_dict(rank0_only=True)
+        path = Path(self.broadcast(str(path)))
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staged = ckpt.staging_path(path)
+            torch.save(state, staged)
+            ckpt.publish(staged, path)
+        self.barrier()
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -434,13 +528,8 @@ class PaROStrategy(ParallelStrategy):
         if self.state_dict_type == "sharded":
             self.engine.wait()
             return ckpt.model_state(self.engine, for_save=True)
-        was_full = self.engine.mode.value == "full"
-        self.engine.wait()
-        self.engine.materialize()
-        state = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
-        if not was_full:
-            self.engine.release()
-        return state
+        # One unit gathered at a time, copied to the CPU: a full checkpoint never needs the whole model on the device.
+        return self.engine.full_state_dict(device="cpu")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -630,13 +719,28 @@ class PaROStrategy(ParallelStrategy):
             self._teardown_after_failure()
             return
         if self.engine is not None and not self._failed:
-            # Leave every unit gathered: the module's weights are readable after fit, as after "ddp", while the
-            # shards (and optimizer states) stay in place for `trainer.save_checkpoint` after fit. The next stage
-            # rebuilds the engine from this module.
+            # Hand the module back with every unit gathered when it fits (its weights readable, as after "ddp");
+            # otherwise leave it sharded. The shards (and optimizer states) stay in place for
+            # `trainer.save_checkpoint` and the next stage either way.
             self.engine.wait()
-            self.engine.materialize()
+            if self.engine.mode is Mode.FULL or self._gather_in_full(self.gather.after_fit):
+                self.engine.materialize()
+            else:
+                self.engine.release()
+                self._teardown_sharded()
+                return
         self._failed = False
         super().teardown()
+
+    def _teardown_sharded(self) -> None:
+        """Strategy.teardown without moving the module to the CPU: its parameters are sharded (a copy would read
+        freed storage); it stays on its device, as the next stage needs it."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     def _teardown_after_failure(self) -> None:
         """Strategy.teardown without what needs peers or intact shards: no collective (gathering the module waits for

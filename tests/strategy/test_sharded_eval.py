@@ -1,0 +1,117 @@
+"""Sharded evaluation and a module left sharded after fit, with a bound on each rank's gathered parameter bytes.
+
+One launch of 4 processes (2 groups of 2) runs fit (with validation inside) -> validate -> predict -> save ->
+export -> resume under "ddp" and under IIG and GGG with ``gather="full"`` and ``gather="sharded"``; validation and
+predict batches are uneven across ranks, also inside a group. Under ``gather="sharded"`` the engine refuses any gather
+past the root unit plus two other units (prefetch 1), which is below the full model; the outputs equal the full-gather
+path's and "ddp"'s within 1e-5.
+"""
+
+import json
+
+import pytest
+import torch
+from launch import launch
+
+from lightning_paro.strategy.strategy import GatherConfig, PaROStrategy
+
+WORLD, TOL = 4, 1e-5
+PARO = ["IIG-sharded", "GGG-sharded", "IIG-full", "GGG-full"]
+STAGES = ["fit", "validate_mem", "predict_mem", "save_mem", "resume_mem"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded_eval")
+    launch("sharded_eval.py", WORLD, str(out), ",".join(["ddp", *PARO]), timeout=150)
+
+    def result(system, rank):
+        res = json.loads((out / f"{system}.{rank}.json").read_text())
+        assert "error" not in res, f"{system}, rank {rank}: {res['error']}"
+        return res
+
+    result.dir = out
+    return result
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("system", PARO)
+def test_same_numbers_as_ddp(runs, system):
+    for r in range(WORLD):
+        got, want = runs(system, r), runs("ddp", r)
+        for key in ("losses", "resumed_losses"):
+            assert got[key] == pytest.approx(want[key], abs=TOL), f"{key} rank {r}"
+        for key in ("fit_val", "validate", "resumed_val"):
+            assert got[key] == pytest.approx(want[key], abs=TOL), f"{key} rank {r}"
+        assert got["num_preds"] == want["num_preds"] == (1 if r == 3 else 2)
+        preds = torch.load(runs.dir / f"{system}.preds.{r}.pt", weights_only=True)
+        for a, b in zip(preds, torch.load(runs.dir / f"ddp.preds.{r}.pt", weights_only=True), strict=True):
+            torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+    exported = torch.load(runs.dir / f"{system}.pt", weights_only=True)
+    final = torch.load(runs.dir / "ddp.pt", weights_only=True)
+    assert exported.keys() == final.keys()
+    for k in final:
+        torch.testing.assert_close(exported[k], final[k], atol=TOL, rtol=0, msg=k)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("system", ["IIG-sharded", "GGG-sharded"])
+def test_gathered_bytes_stay_under_the_bound(runs, system):
+    for r in range(WORLD):
+        res = runs(system, r)
+        for stage in STAGES:
+            mem = res[stage]
+            # the engine raised on any gather past the limit; the limit is below the full model
+            assert mem["peak"] <= mem["limit"] < mem["full"], f"{stage} rank {r}: {mem}"
+        # after fit the module stays sharded: nothing is left gathered
+        assert res["fit"]["alive_after"] == 0 and res["save_mem"]["alive_after"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_join_rounds(runs):
+    """One round (one scalar all-reduce) per step of the slowest rank of the P scope, plus the last one that counts
+    no rank running. Validation inside fit: 2, 1, 1, 1 batches, twice; validate: 2, 2, 2, 1; predict: 2, 2, 2, 1.
+    IIG's scope is the group (ranks 0-1, 2-3), GGG's all ranks."""
+    for system in ("IIG-sharded", "GGG-sharded"):
+        for r in range(WORLD):
+            res = runs(system, r)
+            fit = 2 * (2 + 1) if system.startswith("GGG") or r < 2 else 2 * (1 + 1)
+            assert res["fit"]["rounds"] == fit, (system, r)
+            assert res["validate_mem"]["rounds"] == fit + 3, (system, r)
+            assert res["predict_mem"]["rounds"] == fit + 6, (system, r)
+    for r in range(WORLD):  # gathered in full: no collective per batch
+        assert runs("GGG-full", r)["predict_mem"]["rounds"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_full_gather_holds_the_whole_model(runs):
+    for r in range(WORLD):
+        res = runs("IIG-full", r)
+        assert res["predict_mem"]["peak"] == res["predict_mem"]["full"]
+        assert res["fit"]["alive_after"] == res["fit"]["full"]  # handed back with full parameters
+
+
+def test_gather_option():
+    assert PaROStrategy(sharding="IIG", gather="sharded").gather == GatherConfig("sharded", "sharded")
+    assert PaROStrategy(sharding="IIG").gather == GatherConfig()
+    with pytest.raises(ValueError, match="gather must be"):
+        PaROStrategy(sharding="IIG", gather="half")
+    with pytest.raises(ValueError, match="after_fit"):
+        GatherConfig(after_fit="never")
+    with pytest.raises(ValueError, match="memory_fraction"):
+        GatherConfig(memory_fraction=0)
+
+
+def test_auto_gathers_in_full_only_when_it_fits(monkeypatch):
+    from types import SimpleNamespace
+
+    import lightning_paro.strategy.strategy as strategy_module
+
+    s = PaROStrategy(sharding="IIG", parallel_devices=[torch.device("cpu")])
+    s.engine = SimpleNamespace(root=SimpleNamespace(sharded_params=True), full_param_bytes=1000)
+    monkeypatch.setattr(strategy_module, "device_memory_bytes", lambda device, ranks_on_host: 3000)
+    assert s._gather_in_full("auto") and s._gather_in_full("full") and not s._gather_in_full("sharded")
+    monkeypatch.setattr(strategy_module, "device_memory_bytes", lambda device, ranks_on_host: 1500)
+    assert not s._gather_in_full("auto")  # 1000 bytes over half of 1500
+    s.engine.root.sharded_params = False  # P = N: nothing to gather, both modes are the same
+    assert s._gather_in_full("sharded")
