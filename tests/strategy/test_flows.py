@@ -1,7 +1,8 @@
 """Acceptance: sequences of Trainer calls behave under PaRO as under "ddp".
 
 One launch of 4 processes (2 groups of 2) runs every flow of ``workers/flows.py`` for "ddp" and for IIG and GGG with
-sharded and with full checkpoints; each test below compares one flow with "ddp": losses, metrics, predictions, final
+sharded and with full checkpoints, and for GGG with full checkpoints whose evaluation and module after fit stay
+sharded (``gather="sharded"``); each test below compares one flow with "ddp": losses, metrics, predictions, final
 weights and checkpoint contents (sharded ones consolidated first) within 1e-5.
 """
 
@@ -16,13 +17,13 @@ from lightning_paro.strategy.checkpoint import convert_to_full, is_sharded_check
 from lightning_paro.strategy.strategy import ManualSteps, check_one_optimizer
 
 WORLD, TOL = 4, 1e-5
-SYSTEMS = ["IIG-sharded", "IIG-full", "GGG-sharded", "GGG-full"]
+SYSTEMS = ["IIG-sharded", "IIG-full", "GGG-sharded", "GGG-full", "GGG-full-sharded"]
 
 
 @pytest.fixture(scope="module")
 def flows(tmp_path_factory):
     out = tmp_path_factory.mktemp("flows")
-    launch("flows.py", WORLD, str(out), ",".join(["ddp", *SYSTEMS]), timeout=400)
+    launch("flows.py", WORLD, str(out), ",".join(["ddp", *SYSTEMS]), timeout=480)
 
     class Runs:
         dir = out
@@ -129,6 +130,8 @@ def test_save_checkpoint_after_fit_and_evaluation(flows, tmp_path, flow, stage, 
 def test_module_changed_between_stages(flows, tmp_path, system):
     """After fit, the module's parameters get storage of their own, then other weights are loaded into it: validate,
     test and the checkpoint (with the fit's optimizer states) see the module as it is, as under "ddp"."""
+    if "skipped" in flows.result("change_between_stages", system):
+        pytest.skip(flows.result("change_between_stages", system)["skipped"])
     _same_results(flows, "change_between_stages", system)
     _same_weights(flows, "change_between_stages", system)
     res = flows.result("change_between_stages", system)
@@ -192,7 +195,7 @@ def test_model_checkpoint_top_k_last_and_best(flows, system):
     res = flows.result("callbacks", system)
     assert res["listing"] == ["last.ckpt", "step=6.ckpt", "step=8.ckpt"]
     assert res["validate-best"]["val_loss"] == pytest.approx(res["best_score"], abs=TOL)
-    kind = "sharded" if system.endswith("sharded") else "file"
+    kind = "sharded" if system.split("-")[1] == "sharded" else "file"
     assert res["kinds"] == {name: kind for name in res["listing"]}
 
 
