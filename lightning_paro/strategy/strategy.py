@@ -490,7 +490,10 @@ class PaROStrategy(ParallelStrategy):
         assert self.engine is not None
         if mode != "auto" or not self.engine.root.sharded_params:
             return mode != "sharded" or not self.engine.root.sharded_params
-        free = device_memory_bytes(self.root_device, ranks_on_host=self.num_processes)
+        try:
+            free: float = device_memory_bytes(self.root_device, ranks_on_host=self.num_processes)
+        except (ValueError, RuntimeError):  # a device whose free memory cannot be read: gather in full, as before
+            free = float("inf")
         if _distributed_is_initialized():
             free = self._on_comm_thread(lambda: agreed_minimum(free, device=self.root_device), "gather decision")
         return self.engine.full_param_bytes <= self.gather.memory_fraction * free

@@ -113,5 +113,44 @@ def test_auto_gathers_in_full_only_when_it_fits(monkeypatch):
     assert s._gather_in_full("auto") and s._gather_in_full("full") and not s._gather_in_full("sharded")
     monkeypatch.setattr(strategy_module, "device_memory_bytes", lambda device, ranks_on_host: 1500)
     assert not s._gather_in_full("auto")  # 1000 bytes over half of 1500
+    monkeypatch.setattr(strategy_module, "device_memory_bytes", _unreadable)
+    assert s._gather_in_full("auto")  # memory unknown: in full, as before the option existed
     s.engine.root.sharded_params = False  # P = N: nothing to gather, both modes are the same
     assert s._gather_in_full("sharded")
+
+
+def _unreadable(device, ranks_on_host):
+    raise ValueError("Cannot read the memory of a 'xla' device")
+
+
+def test_sharded_forward_in_one_process(world_of_one):
+    """In one process: a sharded evaluation step gives the full-gather output, holds at most the root unit and two
+    blocks, and a step that leaves the agreed order of units in a round where a peer has finished fails naming the
+    unit."""
+    from tiny_lm import TinyLM
+
+    from lightning_paro.strategy.engine import PaROEngine
+    from lightning_paro.strategy.levels import ShardingSpec
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine = PaROEngine(model, ShardingSpec.parse("GGG"), world_of_one)
+    idx = torch.randint(0, 37, (2, 8))
+    with torch.no_grad():
+        engine.materialize()
+        want = model(idx)
+        engine.release()
+        engine.gather_meter.reset_peak()
+        engine.begin_eval()
+        engine.eval_step_begin()
+        got = model(idx)
+        engine.eval_step_end(last=False)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        root = sum(f.full_bytes for f in engine.root.flats)
+        block = max(sum(f.full_bytes for f in u.flats) for u in engine.units[:-1])
+        assert engine.gather_meter.peak == root + 2 * block < engine.full_param_bytes
+        engine.eval_step_begin()
+        engine._eval_tail = True  # as in a round where a peer has run its last batch
+        with pytest.raises(RuntimeError, match="unit 'blocks.1' as its gather number 1"):
+            model.blocks[1](torch.zeros(2, 8, 10))
+    engine.wait()
