@@ -10,9 +10,10 @@ by bisection instead of sinking its whole shard).
 from __future__ import annotations
 
 import time
+import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from lightning_paro.predict.db import Database
 
@@ -54,6 +55,12 @@ _SCHEMA = (
         started_at DOUBLE PRECISION,
         last_seen DOUBLE PRECISION,
         PRIMARY KEY (job, owner)
+    )""",
+    # the units of a job over a sharded source, as JSON [[unit id, rows, fingerprint], ...]; absent for a job
+    # over a dataset's index space (a table of its own, so ledgers created before it still open)
+    """CREATE TABLE IF NOT EXISTS paro_predict_inputs (
+        job TEXT PRIMARY KEY,
+        units TEXT NOT NULL
     )""",
 )
 
@@ -140,6 +147,24 @@ _SHARD_COLUMNS = (
 )
 
 
+def describe_input_change(stored: list, given: list, limit: int = 3) -> str:
+    """What differs between two unit lists (``[[id, rows, fingerprint], ...]``), in a few words; "" if nothing."""
+    old = {u[0]: (int(u[1]), str(u[2])) for u in stored}
+    new = {u[0]: (int(u[1]), str(u[2])) for u in given}
+    changes = [f"{uid} removed" for uid in old if uid not in new]
+    changes += [f"{uid} added" for uid in new if uid not in old]
+    for uid, (rows, fingerprint) in new.items():
+        if uid in old and old[uid] != (rows, fingerprint):
+            was_rows, was_fp = old[uid]
+            what = [f"rows {was_rows} -> {rows}"] if was_rows != rows else []
+            what += [f"{was_fp or 'none'} -> {fingerprint or 'none'}"] if was_fp != fingerprint else []
+            changes.append(f"{uid}: {', '.join(what)}")
+    if not changes and [u[0] for u in stored] != [u[0] for u in given]:
+        changes.append("the same units in a different order")
+    shown = "; ".join(changes[:limit])
+    return shown + (f"; and {len(changes) - limit} more" if len(changes) > limit else "")
+
+
 class Ledger:
     """Leases, renews, commits and reports the shards of one prediction job.
 
@@ -166,16 +191,29 @@ class Ledger:
 
     # ---- set-up -------------------------------------------------------------------------------
 
-    def ensure_job(self, num_rows: int, shard_size: int) -> bool:
-        """Creates the job's shards, or checks that an existing job has the same shape.
+    def ensure_job(
+        self,
+        num_rows: int,
+        shard_size: int,
+        ranges: Optional[Sequence[tuple[int, int]]] = None,
+        inputs: Optional[list] = None,
+    ) -> bool:
+        """Creates the job's shards, or checks that an existing job has the same shape and inputs.
 
-        Returns True if this call created the job. Safe to call from many workers at once.
+        ``ranges`` replaces the even split into ``shard_size`` rows (a sharded source plans its own
+        shards along its units); ``inputs`` are a source's units as ``[[id, rows, fingerprint], ...]``,
+        stored so a resume over changed inputs is refused. Returns True if this call created the job.
+        Safe to call from many workers at once.
         """
         if num_rows < 0 or shard_size <= 0:
             raise ValueError(f"num_rows must be >= 0 and shard_size > 0, got {num_rows} and {shard_size}")
+        if ranges is None:
+            ranges = [(start, min(start + shard_size, num_rows)) for start in range(0, num_rows, shard_size)]
         with self.db.transaction() as tx:
             row = tx.fetchone("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = ?", (self.job,))
             if row is not None:
+                stored = tx.fetchone("SELECT units FROM paro_predict_inputs WHERE job = ?", (self.job,))
+                self._check_inputs(None if stored is None else json.loads(stored[0]), inputs)
                 if (int(row[0]), int(row[1])) != (num_rows, shard_size):
                     raise JobMismatchError(
                         f"The ledger at {self.display_location} already holds job {self.job!r} over {row[0]} rows "
@@ -187,15 +225,32 @@ class Ledger:
                 "INSERT INTO paro_predict_jobs (job, num_rows, shard_size, created_at) VALUES (?, ?, ?, ?)",
                 (self.job, num_rows, shard_size, self.clock()),
             )
+            if inputs is not None:
+                tx.execute("INSERT INTO paro_predict_inputs (job, units) VALUES (?, ?)", (self.job, json.dumps(inputs)))
             tx.executemany(
                 "INSERT INTO paro_predict_shards (job, shard_id, start_row, end_row, state, attempts) "
                 "VALUES (?, ?, ?, ?, ?, 0)",
-                (
-                    (self.job, i, start, min(start + shard_size, num_rows), TODO)
-                    for i, start in enumerate(range(0, num_rows, shard_size))
-                ),
+                ((self.job, i, start, end, TODO) for i, (start, end) in enumerate(ranges)),
             )
             return True
+
+    def _check_inputs(self, stored: Optional[list], given: Optional[list]) -> None:
+        """Refuses to resume a job whose source units differ from those it started with."""
+        fix = "Resume with the inputs the job started with, or give this run a new output_dir (or job_name)."
+        if stored is None and given is None:
+            return
+        if stored is None or given is None:
+            started, now = ("a sharded source", "a dataset's index space") if given is None else (
+                "a dataset's index space", "a sharded source")
+            raise JobMismatchError(
+                f"Job {self.job!r} in the ledger at {self.display_location} was started over {started}, but this "
+                f"run reads {now}. {fix}"
+            )
+        change = describe_input_change(stored, given)
+        if change:
+            raise JobMismatchError(
+                f"The inputs of job {self.job!r} changed since it started ({change}), so this is a different job. {fix}"
+            )
 
     def job_shape(self) -> Optional[tuple[int, int]]:
         """``(num_rows, shard_size)`` of the job, or None if it was never created."""

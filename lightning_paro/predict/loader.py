@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_paro.predict.dataset import ElasticCollate, ElasticDataset
 from lightning_paro.predict.sampler import ShardBatchSampler
+from lightning_paro.predict.sources import SourceDataset, SourceLayout, is_sharded_source
 
 
 class UnsupportedDataLoaderError(ValueError):
@@ -26,10 +27,12 @@ def single_dataloader(dataloaders: Any) -> DataLoader:
         raise UnsupportedDataLoaderError(
             f"ElasticPredict needs a torch DataLoader over a map-style dataset, got {type(dataloaders).__name__}."
         )
-    if isinstance(dataloaders.dataset, IterableDataset):
+    if isinstance(dataloaders.dataset, IterableDataset) and not is_sharded_source(dataloaders.dataset):
         raise UnsupportedDataLoaderError(
             "ElasticPredict shards the dataset's index space, so it needs a map-style dataset (with __len__ and "
-            "__getitem__), not an IterableDataset."
+            "__getitem__), not an IterableDataset. For data stored as files or objects, use a sharded source: "
+            "ParquetSource, JsonlSource, TextSource, PathSource, or your own with units() and read(unit, start, stop) "
+            "(docs/predict.md, Sources)."
         )
     if dataloaders.batch_size is None:
         raise UnsupportedDataLoaderError(
@@ -40,12 +43,24 @@ def single_dataloader(dataloaders: Any) -> DataLoader:
 
 
 def sharded_dataloader(
-    loader: DataLoader, sampler: ShardBatchSampler, id_column: Optional[str], row_retries: int, fetch_threads: int = 1
+    loader: DataLoader,
+    sampler: ShardBatchSampler,
+    id_column: Optional[str],
+    row_retries: int,
+    fetch_threads: int = 1,
+    layout: Optional[SourceLayout] = None,
 ) -> DataLoader:
-    """A DataLoader with ``loader``'s reading settings whose batches come from leased shards."""
+    """A DataLoader with ``loader``'s reading settings whose batches come from leased shards.
+
+    With ``layout`` the dataset is a sharded source, read a unit range at a time instead of row by row.
+    """
     workers = loader.num_workers
+    if layout is None:
+        dataset = ElasticDataset(loader.dataset, row_retries=row_retries, fetch_threads=fetch_threads)
+    else:
+        dataset = SourceDataset(loader.dataset, layout, row_retries=row_retries, fetch_threads=fetch_threads)
     return DataLoader(
-        ElasticDataset(loader.dataset, row_retries=row_retries, fetch_threads=fetch_threads),
+        dataset,
         batch_sampler=sampler,
         num_workers=workers,
         collate_fn=ElasticCollate(loader.collate_fn, id_column),

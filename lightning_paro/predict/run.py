@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -23,6 +24,7 @@ from lightning_paro.predict.manifest import finalize_job
 from lightning_paro.predict.progress import read_progress
 from lightning_paro.predict.reader import read_errors
 from lightning_paro.predict.sampler import InFlightShards, ShardBatchSampler
+from lightning_paro.predict.sources import is_sharded_source, source_layout
 from lightning_paro.predict.writer import (
     ErrorBudgetExceededError,
     ShardWriter,
@@ -55,18 +57,26 @@ class WorkerRun:
     """Sampler, writer and heartbeat of one worker, from set-up to the job's manifest."""
 
     def __init__(self, config: ElasticPredictConfig, loader: DataLoader) -> None:
+        layout = source_layout(loader.dataset) if is_sharded_source(loader.dataset) else None
+        source_ids = getattr(loader.dataset, "id_column", None) if layout is not None else None
+        if config.id_column is None and source_ids:
+            # a source names the stable input id of its rows: written by default so outputs join back to inputs
+            config = dataclasses.replace(config, id_column=source_ids)
         self.config = config
         self.owner = config.worker_name or default_worker_name()
         self.output_dir = config.output_path
         shard_files.check_output_dir(self.output_dir)
         self.ledger = self.open_ledger()
-        num_rows = len(loader.dataset)
+        num_rows = len(loader.dataset) if layout is None else layout.num_rows
         shard_size = config.shard_size
         if shard_size is None:
             shape = self.ledger.job_shape()
             # a resumed or joining worker adopts the job's shard size unless told otherwise
             shard_size = shape[1] if shape is not None else 16 * int(loader.batch_size)
-        self.ledger.ensure_job(num_rows, shard_size)
+        if layout is None:
+            self.ledger.ensure_job(num_rows, shard_size)
+        else:
+            self.ledger.ensure_job(num_rows, shard_size, layout.plan_shards(shard_size), layout.describe())
         self.ledger.register_worker(self.owner, socket.gethostname(), os.getpid())
         self.num_rows = num_rows
         self.in_flight = InFlightShards()
@@ -78,7 +88,7 @@ class WorkerRun:
             self.open_ledger, self.owner, int(loader.batch_size), config, self.in_flight, self._acknowledge, self.stop
         )
         self.dataloader = sharded_dataloader(
-            loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads
+            loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads, layout
         )
         self.writer = ShardWriter(
             self.open_ledger,

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_paro.predict import ElasticPredict, shard_files
+from lightning_paro.predict import ElasticPredict, JsonlSource, ParquetSource, ShardedSource, SourceUnit, shard_files
 
 
 @dataclass
@@ -47,6 +47,7 @@ class JobSpec:
     worker_name: Optional[str] = None
     id_column: Optional[str] = None
     rows_log: Optional[str] = None
+    source: Optional[tuple] = None  # (kind, path or units) to read a sharded source instead of RowsDataset
     extra: dict = field(default_factory=dict)
 
 
@@ -63,6 +64,44 @@ class RowsDataset(Dataset):
         return {"x": torch.tensor([float(index)]), "key": f"id-{index}"}
 
 
+class ListSource(ShardedSource):
+    """A sharded source over units given as row counts; row ``i`` of the concatenation has ``x = i``.
+
+    Rows in ``poison`` raise inside the row stream (as a corrupt record would while decoding), so the
+    stream dies midway through its unit and reading has to go on after the bad row.
+    """
+
+    id_column = "input_id"
+
+    def __init__(self, unit_rows: tuple, poison: tuple = ()) -> None:
+        self.unit_rows = unit_rows
+        self.poison = poison
+
+    def units(self):
+        return [SourceUnit(f"u{i}", n, f"n={n}") for i, n in enumerate(self.unit_rows)]
+
+    def read(self, unit, start, stop):
+        first = sum(self.unit_rows[: int(unit.id[1:])])
+        for position in range(start, stop):
+            x = first + position
+            if x in self.poison:
+                raise ValueError(f"corrupt record {x}")
+            yield {"x": float(x), "input_id": f"{unit.id}:{position}"}
+
+
+def make_dataset(spec: JobSpec):
+    if spec.source is None:
+        return RowsDataset(spec)
+    kind, where = spec.source
+    if kind == "parquet":
+        return ParquetSource(where, columns=["x"])
+    if kind == "jsonl":
+        return JsonlSource(where)
+    if kind == "list":
+        return ListSource(where, spec.poison_dataset_rows)
+    raise ValueError(f"unknown source kind {kind!r}")
+
+
 class Affine(L.LightningModule):
     def __init__(self, spec: JobSpec) -> None:
         super().__init__()
@@ -74,6 +113,8 @@ class Affine(L.LightningModule):
 
     def predict_step(self, batch, batch_idx):
         x = batch["x"]
+        if x.ndim == 1:  # sharded sources yield one scalar per row
+            x = x.float()[:, None]
         rows = [int(v) for v in x[:, 0].tolist()]
         if any(r in self.spec.hang_rows for r in rows):
             time.sleep(3600)
@@ -155,7 +196,7 @@ def run_job(spec: JobSpec) -> ElasticPredict:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    loader = DataLoader(RowsDataset(spec), batch_size=spec.batch_size, num_workers=spec.num_workers)
+    loader = DataLoader(make_dataset(spec), batch_size=spec.batch_size, num_workers=spec.num_workers)
     trainer.predict(Affine(spec), dataloaders=loader)
     return callback
 

@@ -1,0 +1,273 @@
+"""Built-in sharded sources: Parquet files (a unit per row group), JSONL and text files, lists of paths or URLs.
+
+Every row they yield is a dict that carries a stable input id under ``id_column`` (default
+``input_id``): ``<file>:<row position in the file>``, or the value of a ``key`` column the user
+names, so predictions join back to their inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+from lightning_paro.predict.sources import ShardedSource, SourceUnit
+
+PathsLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+DEFAULT_ID_COLUMN = "input_id"
+
+# Rows between two remembered byte offsets of a line file: reading a range seeks to the offset before
+# it and skips at most this many lines, so a shard deep in a large file does not rescan it from the top.
+_LINE_INDEX_STRIDE = 1024
+
+
+def _expand(paths: PathsLike, suffixes: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(path, name)`` of every input file, in a fixed order: a file, a directory (searched recursively for
+    ``suffixes``; names starting with ``_`` or ``.`` are skipped, as data readers do) or a list of either.
+    ``name`` is the path relative to the directory given, or the path as given."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not items:
+        raise ValueError("no input paths given")
+    out: list[tuple[str, str]] = []
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(
+                p for p in path.rglob("*")
+                if p.is_file() and p.name.endswith(suffixes)
+                and not any(part.startswith(("_", ".")) for part in p.relative_to(path).parts)
+            )
+            if not found:
+                raise FileNotFoundError(f"no {'/'.join(suffixes)} files under {path}; check the path or the suffix")
+            out.extend((str(p), p.relative_to(path).as_posix()) for p in found)
+        elif path.is_file():
+            out.append((str(path), str(item)))
+        else:
+            raise FileNotFoundError(f"input {item} does not exist")
+    return out
+
+
+def _with_id(row: Any, id_column: str, row_id: Any, transform: Optional[Callable]) -> Any:
+    if transform is not None:
+        row = transform(row)
+    if not isinstance(row, Mapping):
+        raise TypeError(
+            f"a row of this source must be a dict (to carry its id {id_column!r}), got {type(row).__name__}; "
+            "return a dict from transform/read_fn"
+        )
+    if id_column not in row:
+        row = dict(row)
+        row[id_column] = row_id
+    return row
+
+
+class ParquetSource(ShardedSource):
+    """Parquet input: a file, a directory of ``*.parquet`` files, or a list of files; one unit per row group.
+
+    Args:
+        paths: a file, a directory, or a list of files and directories.
+        columns: the columns to read (default: all).
+        key: a column whose value is the row's stable id (default: ``<file>:<row position in the file>``).
+        id_column: the key under which the id is put in each row and written to the output
+            (default: ``key`` when given, else ``"input_id"``).
+        transform: called on each row's dict (column name to Python value) in the DataLoader worker; it
+            returns the sample (a dict; the id is added if missing). A row it raises on is isolated.
+    """
+
+    def __init__(
+        self,
+        paths: PathsLike,
+        columns: Optional[Sequence[str]] = None,
+        key: Optional[str] = None,
+        id_column: Optional[str] = None,
+        transform: Optional[Callable[[dict], Any]] = None,
+    ) -> None:
+        self.files = _expand(paths, (".parquet", ".parq"))
+        self.columns = None if columns is None else list(columns)
+        self.key = key
+        self.id_column = id_column or key or DEFAULT_ID_COLUMN
+        self.transform = transform
+        self._cache: Optional[OrderedDict] = None
+        self._lock: Optional[threading.Lock] = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_cache"], state["_lock"] = None, None  # per process: a lock does not pickle, a cache need not travel
+        return state
+
+    def units(self) -> list[SourceUnit]:
+        import pyarrow.parquet as pq
+
+        units = []
+        for path, name in self.files:
+            meta = pq.ParquetFile(path).metadata
+            size = os.path.getsize(path)
+            first = 0
+            for group in range(meta.num_row_groups):
+                rows = meta.row_group(group).num_rows
+                units.append(SourceUnit(f"{name}#{group}", rows, f"size={size}", (path, name, group, first)))
+                first += rows
+        return units
+
+    def row_id(self, unit: SourceUnit, position: int) -> str:
+        _, name, _, first = unit.ref
+        return f"{name}:{first + position}"
+
+    def _row_group(self, unit: SourceUnit):
+        """The unit's row group as an Arrow table; the last two read stay cached in this process, so the
+        batches of one row group (and the fetch threads of a batch) read it once."""
+        import pyarrow.parquet as pq
+
+        if self._lock is None:
+            self._lock = threading.Lock()
+            self._cache = OrderedDict()
+        with self._lock:
+            table = self._cache.get(unit.id)
+            if table is not None:
+                self._cache.move_to_end(unit.id)
+                return table
+        path, _, group, _ = unit.ref
+        columns = self.columns
+        if columns is not None and self.key is not None and self.key not in columns:
+            columns = columns + [self.key]
+        table = pq.ParquetFile(path).read_row_group(group, columns=columns)
+        with self._lock:
+            self._cache[unit.id] = table
+            while len(self._cache) > 2:
+                self._cache.popitem(last=False)
+        return table
+
+    def read(self, unit: SourceUnit, start: int, stop: int) -> Iterator[dict]:
+        rows = self._row_group(unit).slice(start, stop - start).to_pylist()
+        for offset, row in enumerate(rows):
+            row_id = row[self.key] if self.key is not None else self.row_id(unit, start + offset)
+            yield _with_id(row, self.id_column, row_id, self.transform)
+
+
+class _LineSource(ShardedSource):
+    """Files of one row per non-blank line; one unit per file, read from a remembered offset near the range."""
+
+    suffixes: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        paths: PathsLike,
+        key: Optional[str] = None,
+        id_column: Optional[str] = None,
+        transform: Optional[Callable[[Any], Any]] = None,
+        encoding: str = "utf-8",
+    ) -> None:
+        self.files = _expand(paths, self.suffixes)
+        self.key = key
+        self.id_column = id_column or key or DEFAULT_ID_COLUMN
+        self.transform = transform
+        self.encoding = encoding
+
+    def parse(self, line: str) -> dict:
+        raise NotImplementedError
+
+    def units(self) -> list[SourceUnit]:
+        units = []
+        for path, name in self.files:
+            offsets, rows, offset = [], 0, 0
+            with open(path, "rb") as f:
+                for line in f:
+                    if line.strip():
+                        if rows % _LINE_INDEX_STRIDE == 0:
+                            offsets.append(offset)
+                        rows += 1
+                    offset += len(line)
+            units.append(SourceUnit(name, rows, f"size={os.path.getsize(path)}", (path, offsets)))
+        return units
+
+    def read(self, unit: SourceUnit, start: int, stop: int) -> Iterator[dict]:
+        path, offsets = unit.ref
+        with open(path, "rb") as f:
+            f.seek(offsets[start // _LINE_INDEX_STRIDE])
+            position = start - start % _LINE_INDEX_STRIDE
+            for raw in f:
+                if not raw.strip():
+                    continue
+                if position >= stop:
+                    return
+                if position >= start:
+                    row = self.parse(raw.decode(self.encoding).rstrip("\r\n"))
+                    row_id = row[self.key] if self.key is not None else self.row_id(unit, position)
+                    yield _with_id(row, self.id_column, row_id, self.transform)
+                position += 1
+
+
+class JsonlSource(_LineSource):
+    """JSON Lines input (a file, a directory of ``*.jsonl``/``*.json`` files, or a list): one row per non-blank line.
+
+    Args:
+        paths: a file, a directory, or a list of files and directories.
+        key: a field whose value is the row's stable id (default: ``<file>:<row position in the file>``).
+        id_column: the key under which the id is put in each row (default: ``key`` or ``"input_id"``).
+        transform: called on each parsed object; returns the sample (a dict). A row it raises on is isolated.
+        encoding: the files' text encoding.
+    """
+
+    suffixes = (".jsonl", ".json", ".ndjson")
+
+    def parse(self, line: str) -> dict:
+        return json.loads(line)
+
+
+class TextSource(_LineSource):
+    """Text input: one row ``{"text": line}`` per non-blank line of each file (``*.txt`` in a directory).
+
+    Arguments as for ``JsonlSource``; ``key`` is not available (a line has no fields).
+    """
+
+    suffixes = (".txt",)
+
+    def parse(self, line: str) -> dict:
+        return {"text": line}
+
+
+class PathSource(ShardedSource):
+    """A list of paths or URLs, one row each, read by a function you give (an image, a document, an object).
+
+    Each path is a unit of one row, so a shard is a run of paths and with ``fetch_threads > 1`` the
+    paths of a batch are read concurrently.
+
+    Args:
+        paths: the paths or URLs, in a fixed order.
+        read_fn: a picklable function ``read_fn(path) -> dict`` (called in DataLoader workers); a path it
+            raises on is isolated as a failed row.
+        id_column: the key under which the path is put in each row as its id (default ``"input_id"``).
+        fingerprint: ``fingerprint(path) -> str`` identifying each input's content, checked on resume
+            (default: the size of local files, nothing for URLs).
+    """
+
+    def __init__(
+        self,
+        paths: Iterable[Union[str, os.PathLike]],
+        read_fn: Callable[[str], Any],
+        id_column: str = DEFAULT_ID_COLUMN,
+        fingerprint: Optional[Callable[[str], str]] = None,
+    ) -> None:
+        self.paths = [str(p) for p in paths]
+        self.read_fn = read_fn
+        self.id_column = id_column
+        self.fingerprint = fingerprint
+
+    def units(self) -> list[SourceUnit]:
+        def identity(path: str) -> str:
+            if self.fingerprint is not None:
+                return str(self.fingerprint(path))
+            return f"size={os.path.getsize(path)}" if os.path.isfile(path) else ""
+
+        return [SourceUnit(path, 1, identity(path)) for path in self.paths]
+
+    def row_id(self, unit: SourceUnit, position: int) -> str:
+        return unit.id
+
+    def read(self, unit: SourceUnit, start: int, stop: int) -> Iterator[dict]:
+        if start < stop:
+            yield _with_id(self.read_fn(unit.id), self.id_column, unit.id, None)
