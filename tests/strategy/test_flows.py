@@ -126,12 +126,11 @@ def test_save_checkpoint_after_fit_and_evaluation(flows, tmp_path, flow, stage, 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("system", SYSTEMS)
+# Not under gather="sharded": a module left sharded after fit has no parameter values to change.
+@pytest.mark.parametrize("system", [s for s in SYSTEMS if s != "GGG-full-sharded"])
 def test_module_changed_between_stages(flows, tmp_path, system):
     """After fit, the module's parameters get storage of their own, then other weights are loaded into it: validate,
     test and the checkpoint (with the fit's optimizer states) see the module as it is, as under "ddp"."""
-    if "skipped" in flows.result("change_between_stages", system):
-        pytest.skip(flows.result("change_between_stages", system)["skipped"])
     _same_results(flows, "change_between_stages", system)
     _same_weights(flows, "change_between_stages", system)
     res = flows.result("change_between_stages", system)
