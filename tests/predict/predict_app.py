@@ -17,9 +17,18 @@ from typing import Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_paro.predict import ElasticPredict, JsonlSource, ParquetSource, ShardedSource, SourceUnit, shard_files
+from lightning_paro.predict import (
+    ElasticPredict,
+    JsonlSource,
+    ParquetSource,
+    PathSource,
+    ShardedSource,
+    SourceUnit,
+    TextSource,
+    shard_files,
+)
 
 
 @dataclass
@@ -99,6 +108,14 @@ def make_dataset(spec: JobSpec):
         return JsonlSource(where)
     if kind == "list":
         return ListSource(where, spec.poison_dataset_rows)
+    if kind == "iterable":
+        return IterableListSource(where, spec.poison_dataset_rows)
+    if kind == "text":
+        return TextSource(where, transform=lambda row: {"x": float(row["text"])})
+    if kind == "paths":
+        return PathSource(where, read_text_file)
+    if kind == "parquet-key":
+        return ParquetSource(where, columns=["x"], key="note")
     raise ValueError(f"unknown source kind {kind!r}")
 
 
@@ -230,3 +247,30 @@ if __name__ == "__main__":
             spec.start_barrier = (f"{sys.argv[1]}.rank{os.environ['RANK']}.ready", (died,))
     callback = run_job(spec)
     print(f"worker {spec.worker_name} committed={callback.run.writer.shards_committed}", flush=True)
+
+
+class IterableListSource(IterableDataset):
+    """The same rows as ``ListSource`` from an ``IterableDataset`` that also exposes its units."""
+
+    id_column = "input_id"
+
+    def __init__(self, unit_rows: tuple, poison: tuple = ()) -> None:
+        self.inner = ListSource(unit_rows, poison)
+
+    def units(self):
+        return self.inner.units()
+
+    def read(self, unit, start, stop):
+        return self.inner.read(unit, start, stop)
+
+    def __iter__(self):
+        for unit in self.units():
+            yield from self.read(unit, 0, unit.rows)
+
+
+def read_text_file(path: str) -> dict:
+    """A ``PathSource`` read function: a file holding one number; the word ``poison`` raises."""
+    text = open(path).read().strip()
+    if text == "poison":
+        raise ValueError(f"cannot decode {os.path.basename(path)}")
+    return {"x": float(text)}

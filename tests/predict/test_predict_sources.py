@@ -180,3 +180,78 @@ def test_shard_plan_packs_small_units_and_cuts_large_ones():
     assert layout.num_rows == 44
     with pytest.raises(ValueError, match="appears twice"):
         SourceLayout([SourceUnit("a", 1), SourceUnit("a", 2)])
+
+
+def test_an_iterable_dataset_exposing_units_is_sharded_with_its_poison_rows_isolated(tmp_path):
+    out = tmp_path / "out"
+    spec = JobSpec(output_dir=str(out), source=("iterable", (30, 1, 29)), poison_dataset_rows=(0, 30, 45),
+                   max_failed_rows=3, shard_size=16, batch_size=4)
+    run_job(spec)
+    table = read_predictions(out)
+    assert table.column("row_id").to_pylist() == [i for i in range(60) if i not in (0, 30, 45)]
+    assert table.column("y").to_pylist() == [3.0 * i + 1.0 for i in table.column("row_id").to_pylist()]
+    assert {e["row"] for e in read_errors(out)} == {"u0:0", "u1:0", "u2:14"}
+
+
+def test_text_paths_and_parquet_key_readers_join_back(tmp_path):
+    text_dir = tmp_path / "text"
+    (text_dir / "sub").mkdir(parents=True)
+    (text_dir / "a.txt").write_text("".join(f"{i}\n" for i in range(25)))
+    (text_dir / "sub" / "b.txt").write_text("\n100\n\n101\n102")  # blank lines skipped, no final newline
+    run_job(JobSpec(output_dir=str(tmp_path / "out-text"), source=("text", str(text_dir)), shard_size=8))
+    text = read_predictions(tmp_path / "out-text")
+    got = dict(zip(text.column("input_id").to_pylist(), text.column("y").to_pylist()))
+    assert got == {**{f"a.txt:{i}": 3.0 * i + 1 for i in range(25)},
+                   **{f"sub/b.txt:{i}": 3.0 * (100 + i) + 1 for i in range(3)}}
+
+    files = []
+    for i in range(12):
+        files.append(tmp_path / f"obj{i}")
+        files[-1].write_text("poison" if i == 5 else str(i))
+    run_job(JobSpec(output_dir=str(tmp_path / "out-paths"), source=("paths", [str(f) for f in files]), shard_size=5,
+                    batch_size=4, max_failed_rows=1, extra={"fetch_threads": 4}))
+    paths = read_predictions(tmp_path / "out-paths")
+    assert paths.column("input_id").to_pylist() == [str(f) for i, f in enumerate(files) if i != 5]
+    assert paths.column("y").to_pylist() == [3.0 * i + 1 for i in range(12) if i != 5]
+    (error,) = read_errors(tmp_path / "out-paths")
+    assert error["row"] == str(files[5]) and "cannot decode obj5" in error["error"]
+
+    parquet = tmp_path / "in.parquet"
+    with pq.ParquetWriter(parquet, pa.schema([("x", pa.float64()), ("note", pa.string()), ("big", pa.string())])) as w:
+        for start in (0, 6):
+            w.write_table(pa.table({"x": [float(start + i) for i in range(6)],
+                                    "note": [f"k{start + i}" for i in range(6)], "big": ["-" * 10] * 6}))
+    run_job(JobSpec(output_dir=str(tmp_path / "out-key"), source=("parquet-key", str(parquet)), shard_size=4))
+    keyed = read_predictions(tmp_path / "out-key")
+    assert "big" not in keyed.column_names and "input_id" not in keyed.column_names
+    assert dict(zip(keyed.column("note").to_pylist(), keyed.column("y").to_pylist())) == {
+        f"k{i}": 3.0 * i + 1 for i in range(12)}
+
+
+def test_an_iterable_dataset_without_units_is_refused_pointing_at_sources():
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_paro.predict.loader import UnsupportedDataLoaderError, single_dataloader
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(UnsupportedDataLoaderError, match="not an IterableDataset.*ParquetSource"):
+        single_dataloader(DataLoader(Stream(), batch_size=2))
+
+
+def test_line_files_are_read_from_a_remembered_offset_deep_in_the_file(tmp_path):
+    from lightning_paro.predict import JsonlSource
+
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        for i in range(2600):
+            f.write(json.dumps({"v": i}) + ("\n\n" if i % 7 == 0 else "\n"))
+    source = JsonlSource(path)
+    (unit,) = source.units()
+    assert unit.rows == 2600 and len(unit.ref[1]) == 3  # an offset every 1024 rows
+    rows = list(source.read(unit, 2040, 2050))
+    assert [r["v"] for r in rows] == list(range(2040, 2050))
+    assert rows[0]["input_id"] == f"{path}:2040"
+    assert [r["v"] for r in source.read(unit, 2599, 2600)] == [2599]
