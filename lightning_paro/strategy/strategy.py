@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -285,6 +286,7 @@ class PaROStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
+        _drop_sharded_read_guard(self.lightning_module)  # whichever strategy left it: this one takes the module over
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -731,6 +733,7 @@ class PaROStrategy(ParallelStrategy):
             else:
                 self.engine.release()
                 self._teardown_sharded()
+                _guard_sharded_reads(self.lightning_module)
                 return
         self._failed = False
         super().teardown()
@@ -843,3 +846,33 @@ def _all_reduce(tensor: Tensor, group: Optional[Any], reduce_op: Optional[Union[
         return tensor
     size = dist.get_world_size(group)
     return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+
+
+_READ_GUARD = "_paro_sharded_read_guard"
+
+
+def _guard_sharded_reads(module: Optional[torch.nn.Module]) -> None:
+    """A module left sharded has parameters without storage: reading their values would touch freed memory and end
+    the process (a segmentation fault). Refuse its ``state_dict()``, the usual way to read it, with an error that says
+    what to do instead; the strategies' own reads (``keep_vars=True``, shapes only) go through. The handle lives on
+    the module, so whichever strategy sets up on it next removes it."""
+    if module is not None and getattr(module, _READ_GUARD, None) is None:
+        object.__setattr__(module, _READ_GUARD, module.register_state_dict_pre_hook(_refuse_reading_sharded))
+
+
+def _drop_sharded_read_guard(module: Optional[torch.nn.Module]) -> None:
+    handle: Optional[RemovableHandle] = getattr(module, _READ_GUARD, None) if module is not None else None
+    if handle is not None:
+        handle.remove()
+        object.__setattr__(module, _READ_GUARD, None)
+
+
+def _refuse_reading_sharded(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    if not keep_vars:
+        raise RuntimeError(
+            f"{type(module).__name__}'s parameters were left sharded across the ranks after the last Trainer stage"
+            " (PaROStrategy gather='sharded', or 'auto' found they do not fit one rank), so it has no full values to"
+            " read. Use trainer.strategy.export_full_state_dict(path) (collective: call it on every rank) or"
+            " trainer.save_checkpoint(path), or pass gather=lightning_paro.GatherConfig(after_fit='full') to get them"
+            " back in full."
+        )

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from launch import launch
 
 from lightning_paro.strategy.strategy import GatherConfig, PaROStrategy
@@ -154,3 +155,42 @@ def test_sharded_forward_in_one_process(world_of_one):
         with pytest.raises(RuntimeError, match="unit 'blocks.1' as its gather number 1"):
             model.blocks[1](torch.zeros(2, 8, 10))
     engine.wait()
+
+
+@pytest.mark.timeout(120)
+def test_reading_a_module_left_sharded_is_refused_not_a_crash(tmp_path):
+    """After a fit that leaves the module sharded, ``model.state_dict()`` raises an error naming the way out (its
+    parameters have no storage: reading them would end the process); the next stage, the export and the checkpoint
+    work, and once a stage hands the module back in full it reads as usual."""
+    import lightning as L
+    from tiny_lm import TinyLM, loader
+
+    from lightning_paro import GatherConfig, PaROStrategy
+
+    def trainer(after_fit):
+        strategy = PaROStrategy(sharding="GGG", group_size=1, gather=GatherConfig(evaluation="sharded",
+                                                                                  after_fit=after_fit))
+        return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=1)
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    try:
+        t = trainer("sharded")
+        t.fit(model, loader(8))
+        with pytest.raises(RuntimeError, match="left sharded.*export_full_state_dict"):
+            model.state_dict()
+        assert set(model.state_dict(keep_vars=True)) == set(t.strategy.engine.module.state_dict(keep_vars=True))
+        t.validate(model, loader(4), verbose=False)  # the next stage runs on the sharded module
+        t.strategy.export_full_state_dict(tmp_path / "full.pt")
+        exported = torch.load(tmp_path / "full.pt", weights_only=True)
+        with pytest.raises(RuntimeError, match="left sharded"):
+            model.state_dict()
+        t2 = trainer("full")
+        t2.validate(model, loader(4), verbose=False)  # hands the module back in full
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, exported[k], rtol=0, atol=0, msg=k)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
