@@ -102,7 +102,7 @@ def build_strategy(cfg: Config) -> Strategy:
                           inter=Link.gbit(s.inter_gbps, overlap=s.inter_overlap) if s.inter_gbps else None)
         return PaROStrategy(sharding=sharding, group_size=s.group_size, units=_units(s.units), auto=auto,
                             prefetch=s.prefetch, chunk_bytes=s.chunk_bytes, log_traffic=s.log_traffic,
-                            state_dict_type=s.state_dict_type, start_method=s.start_method,
+                            state_dict_type=s.state_dict_type, gather=s.gather, start_method=s.start_method,
                             process_group_backend=s.process_group_backend, timeout=timeout)
     if isinstance(s, DDPStrategyConfig):
         return DDPStrategy(start_method=s.start_method, find_unused_parameters=s.find_unused_parameters,

@@ -432,6 +432,8 @@ def _check_strategy(cfg: Config) -> None:
             )
         if s.state_dict_type not in ("full", "sharded"):
             raise ConfigError("strategy.state_dict_type", f"{s.state_dict_type!r} is not full or sharded")
+        if s.gather not in ("auto", "full", "sharded"):
+            raise ConfigError("strategy.gather", f"{s.gather!r} is not auto, full or sharded")
         if s.prefetch < 0:
             raise ConfigError("strategy.prefetch", f"{s.prefetch} must be 0 (no prefetch) or more")
         names = isinstance(s.units, list) and s.units and all(isinstance(u, str) for u in s.units)

@@ -61,6 +61,9 @@ class ParoStrategyConfig:
     """Checkpoints as one consolidated file (full) or a directory of per-rank shards (sharded). The command line
     writes full files by default, which torch.load and LightningModule.load_from_checkpoint open in one process;
     PaROStrategy's own default is sharded."""
+    gather: str = "auto"
+    """Evaluation and the module after fit: full (gather the whole model), sharded (one unit at a time; the module
+    stays sharded after fit) or auto (full when the whole model fits half the free memory)."""
     start_method: str = "popen"
     """How the processes start: popen (Lightning's subprocess launcher), spawn, fork or forkserver."""
     process_group_backend: Optional[str] = None

@@ -67,6 +67,14 @@ def test_every_paro_knob_is_overridable():
     assert a.intra.overlap == 0.25 and a.inter.overlap == 1.0
 
 
+def test_the_gather_mode_is_a_strategy_key():
+    assert build_strategy(load_config(["strategy=paro", *FOUR_CPUS])).gather.evaluation == "auto"
+    s = build_strategy(load_config(["strategy=paro_ggg", "strategy.gather=sharded", *FOUR_CPUS]))
+    assert (s.gather.evaluation, s.gather.after_fit) == ("sharded", "sharded")
+    with pytest.raises(ConfigError, match="strategy.gather: 'some' is not auto, full or sharded"):
+        load_config(["strategy=paro", "strategy.gather=some", *FOUR_CPUS])
+
+
 def test_a_per_strategy_file_is_the_paro_config_with_its_sharding():
     assert load_config(["strategy=paro_ggg"]).strategy == dataclasses.replace(
         load_config(["strategy=paro", "strategy.sharding=GGG"]).strategy)
