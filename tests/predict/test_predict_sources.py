@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import torch
 import pyarrow.parquet as pq
 import pytest
 
@@ -255,3 +256,39 @@ def test_line_files_are_read_from_a_remembered_offset_deep_in_the_file(tmp_path)
     assert [r["v"] for r in rows] == list(range(2040, 2050))
     assert rows[0]["input_id"] == f"{path}:2040"
     assert [r["v"] for r in source.read(unit, 2599, 2600)] == [2599]
+
+
+class _Triple(torch.nn.Module):
+    def forward(self, batch):
+        return {"h": batch["x"] * 3.0}
+
+
+class _PlusOne(torch.nn.Module):
+    def forward(self, batch):
+        return {"y": batch["h"] + 1.0}
+
+
+def build_triple():
+    return _Triple()
+
+
+def build_plus_one():
+    return _PlusOne()
+
+
+@pytest.mark.timeout(60)
+def test_a_pipeline_reads_a_sharded_source_after_profiling_it(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from lightning_paro.predict import PipelineStage, run_pipeline
+    from predict_app import ListSource
+
+    out = tmp_path / "out"
+    stages = [PipelineStage("triple", build_triple), PipelineStage("plus_one", build_plus_one)]
+    report = run_pipeline(stages, DataLoader(ListSource((7, 40, 13)), batch_size=8), str(out), shard_size=16,
+                          max_replicas=2)
+    assert set(report.profile_s_per_row) == {"triple", "plus_one"}
+    table = read_predictions(out)
+    assert table.column("row_id").to_pylist() == list(range(60))
+    assert table.column("y").to_pylist() == [3.0 * i + 1.0 for i in range(60)]
+    assert table.column("input_id").to_pylist()[7] == "u1:0"
