@@ -154,15 +154,22 @@ def test_poison_rows_inside_a_unit_are_isolated_and_the_rest_of_the_unit_is_read
     assert callback.manifest["rows_failed"] == 4
 
 
-def test_resume_over_changed_inputs_is_refused_naming_the_change(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_resume_over_changed_inputs_is_refused_naming_the_change(tmp_path, backend, request, job_name):
     inputs = tmp_path / "in"
     layout = {"a.parquet": [10, 5], "b.parquet": [20]}
     expected = write_parquet_inputs(inputs, layout)
     out = tmp_path / "out"
-    spec = JobSpec(output_dir=str(out), source=("parquet", str(inputs)), shard_size=20)
+    ledger = request.getfixturevalue("postgres_url") if backend == "postgres" else None
+    spec = JobSpec(output_dir=str(out), ledger=ledger, job_name=job_name, source=("parquet", str(inputs)),
+                   shard_size=20)
     run_job(spec)
     run_job(spec)  # the same inputs: a resume, nothing to do
     assert_joined_exactly(out, expected)
+    # the same rows, other content: only the file size tells
+    pq.write_table(pa.table({"x": [float(i) for i in range(20)], "note": ["changed" * 9] * 20}), inputs / "b.parquet")
+    with pytest.raises(JobMismatchError, match=r"inputs of job .* changed since it started \(b\.parquet#0: size=\d+ -> size=\d+\)"):
+        run_job(spec)
     pq.write_table(pa.table({"x": [1.0, 2.0], "note": ["a", "b"]}), inputs / "b.parquet")
     with pytest.raises(JobMismatchError, match=r"inputs of job .* changed .*b\.parquet#0: rows 20 -> 2.*new output_dir"):
         run_job(spec)
@@ -171,7 +178,7 @@ def test_resume_over_changed_inputs_is_refused_naming_the_change(tmp_path):
     with pytest.raises(JobMismatchError, match=r"b\.parquet#0 removed; c\.parquet#0 added"):
         run_job(spec)
     with pytest.raises(JobMismatchError, match="started over a sharded source, but this run reads a dataset's index"):
-        run_job(JobSpec(output_dir=str(out), rows=35, shard_size=20))
+        run_job(JobSpec(output_dir=str(out), ledger=ledger, job_name=job_name, rows=35, shard_size=20))
 
 
 def test_shard_plan_packs_small_units_and_cuts_large_ones():
