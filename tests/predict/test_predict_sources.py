@@ -130,8 +130,9 @@ def test_jsonl_files_with_kill9_and_restart_are_exact_and_join_back(tmp_path, wo
     inputs = tmp_path / "in"
     expected = write_jsonl_inputs(inputs)
     out = tmp_path / "out"
+    # two DataLoader processes per worker and two fetch threads each: units are read concurrently
     spec = JobSpec(output_dir=str(out), source=("jsonl", str(inputs)), batch_size=10, shard_size=50,
-                   step_sleep_s=0.05, lease_ttl_s=0.8)
+                   step_sleep_s=0.05, lease_ttl_s=0.8, num_workers=2, extra={"fetch_threads": 2})
     kill_midway_then_restart(workers, spec, out)
     assert_joined_exactly(out, expected)
 
