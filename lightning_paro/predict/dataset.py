@@ -33,7 +33,28 @@ def load_row(dataset: Any, index: int, retries: int) -> tuple[Any, Optional[Base
     raise AssertionError("unreachable")
 
 
-class ElasticDataset(Dataset):
+class FetchPool:
+    """Mixin: the fetch threads of a dataset, made in the process that uses them (a DataLoader worker) and dropped
+    when the dataset is pickled or forked, as threads do not survive either. Needs ``fetch_threads``, ``_pool`` and
+    ``_pool_pid`` set in ``__init__``."""
+
+    fetch_threads: int
+    _pool: Optional[ThreadPoolExecutor]
+    _pool_pid: int
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_pool"], state["_pool_pid"] = None, -1
+        return state
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="lightning-paro-fetch")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+
+class ElasticDataset(FetchPool, Dataset):
     """Wraps a map-style dataset: reads a whole ticket, capturing rows that raise instead of failing the batch.
 
     With ``fetch_threads > 1`` the rows of a batch are read concurrently by a thread pool in each
@@ -53,17 +74,6 @@ class ElasticDataset(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_pool"], state["_pool_pid"] = None, -1  # threads do not survive pickling or fork
-        return state
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="lightning-paro-fetch")
-            self._pool_pid = os.getpid()
-        return self._pool
 
     def __getitems__(self, ticket: BatchTicket) -> LoadedRows:
         samples, indices, failures = [], [], []

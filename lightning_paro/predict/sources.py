@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any, Iterable, Optional, Sequence
 from torch.utils.data import Dataset
 
 from lightning_paro.predict.batch import BatchTicket, RowFailure
-from lightning_paro.predict.dataset import LoadedRows
+from lightning_paro.predict.dataset import FetchPool, LoadedRows
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def read_piece(source: Any, unit: SourceUnit, start: int, stop: int, first_index
     return samples, failures
 
 
-class SourceDataset(Dataset):
+class SourceDataset(FetchPool, Dataset):
     """Reads tickets of a sharded source in DataLoader workers: the units a batch spans, concurrently
     with ``fetch_threads > 1`` (one thread per unit piece), each streamed with per-row isolation."""
 
@@ -199,17 +198,6 @@ class SourceDataset(Dataset):
         if failures:
             raise RuntimeError(failures[0].error)
         return samples[0][1]
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_pool"], state["_pool_pid"] = None, -1  # threads do not survive pickling or fork
-        return state
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="lightning-paro-fetch")
-            self._pool_pid = os.getpid()
-        return self._pool
 
     def _read(self, start: int, stop: int) -> tuple[list, list]:
         pieces = self.layout.pieces(start, stop)
