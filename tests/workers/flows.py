@@ -172,22 +172,22 @@ def save_weights(model, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- flows: each returns the numbers to compare
-def fit_validate_save(system, d):
+def _fit_evaluate_save(system, d, stage: str, seed: int):
     model = make_model()
     t = trainer(system, max_steps=3)
     t.fit(model, batches(3))
-    val = metrics(t.validate(model, batches(2, seed=1), verbose=False))
+    evaluate = t.validate if stage == "val" else t.test
+    result = metrics(evaluate(model, batches(2, seed=seed), verbose=False))
     t.save_checkpoint(d / "ckpt")
-    return model, {"losses": model.losses, "val": val, "ckpt": str(d / "ckpt")}
+    return model, {"losses": model.losses, stage: result, "ckpt": str(d / "ckpt")}
+
+
+def fit_validate_save(system, d):
+    return _fit_evaluate_save(system, d, "val", seed=1)
 
 
 def fit_test_save(system, d):
-    model = make_model()
-    t = trainer(system, max_steps=3)
-    t.fit(model, batches(3))
-    test = metrics(t.test(model, batches(2, seed=2), verbose=False))
-    t.save_checkpoint(d / "ckpt")
-    return model, {"losses": model.losses, "test": test, "ckpt": str(d / "ckpt")}
+    return _fit_evaluate_save(system, d, "test", seed=2)
 
 
 def change_between_stages(system, d):
