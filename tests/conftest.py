@@ -9,6 +9,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Put ``os.environ`` back after every test. Lightning's in-process set-up writes ``MASTER_PORT`` (and the store
+    keeps that port open in this process); a later test's subprocess inheriting it would fail with EADDRINUSE."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def world_of_one(monkeypatch):
     """A Communicator over a world of one CPU process, with its own default group (so its communication thread is
