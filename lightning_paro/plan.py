@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_paro.strategy.auto import DEFAULT_MEMORY_BUDGET, GB, Plan, format_plan, plan
-from lightning_paro.strategy.cost_model import Cluster, Compute, Link, Workload, fastest_chunk_bytes
+from lightning_paro.planner import (DEFAULT_MEMORY_BUDGET, GB, Cluster, Compute, Link, Plan, Workload,
+                                    fastest_chunk_bytes, format_plan, plan)
 from lightning_paro.strategy.levels import KNOWN_AS, VALID_STRATEGIES
 
 GIB = 2**30

@@ -33,8 +33,7 @@ import torch
 
 from lightning_paro.cli.compose import load_config
 from lightning_paro.cli.build import build_model
-from lightning_paro.strategy.auto import workload_from_module
-from lightning_paro.strategy.cost_model import Cluster, Compute, Link, predict
+from lightning_paro.planner import Cluster, Compute, Link, predict, workload_from_module
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_paro import VALID_STRATEGIES, PaROStrategy
-from lightning_paro.strategy.auto import AutoConfig
-from lightning_paro.strategy.cost_model import Link
+from lightning_paro.planner import AutoConfig, Link
 from lightning_paro.cli import targets
 from lightning_paro.cli.compose import world_size
 from lightning_paro.cli.progress import StepProgressBar

@@ -43,9 +43,8 @@ from lightning_paro.comm.accounting import TrafficMeter
 from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator, comm_thread, run_on_comm_thread
 from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
+from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memory_bytes, format_plan, plan_for_job
 from lightning_paro.strategy import checkpoint as ckpt
-from lightning_paro.strategy.auto import (AutoConfig, Plan, agreed_minimum, device_memory_bytes, format_plan,
-                                         plan_for_job)
 from lightning_paro.strategy.engine import Mode, PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.precision import to_paro_precision

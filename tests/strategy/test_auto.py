@@ -10,7 +10,11 @@ from launch import launch
 from torch import nn
 
 from lightning_paro.plan import main as plan_main
-from lightning_paro.strategy.auto import (
+from lightning_paro.planner import (
+    Cluster,
+    Compute,
+    Link,
+    Workload,
     available_host_memory,
     device_memory_bytes,
     fit_link,
@@ -22,7 +26,6 @@ from lightning_paro.strategy.auto import (
     plan,
     workload_from_module,
 )
-from lightning_paro.strategy.cost_model import Cluster, Compute, Link, Workload
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 
 W = Workload(1e9, 1e9, accumulation=4, num_units=16, root_fraction=0.05, tokens_per_micro_batch=1024,
@@ -152,7 +155,7 @@ def test_workload_from_module_counts_the_units_backward_runs_through():
 
 def test_plan_for_job_with_everything_given_needs_no_collectives():
     from lightning_paro.comm.topology import Topology
-    from lightning_paro.strategy.auto import AutoConfig, plan_for_job
+    from lightning_paro.planner import AutoConfig, plan_for_job
 
     net = Net()
     opt = torch.optim.AdamW(net.parameters())
@@ -166,7 +169,7 @@ def test_plan_for_job_with_everything_given_needs_no_collectives():
 
 def test_auto_sizes_the_ho_ring_chunk_to_the_links_and_the_strategy_uses_it():
     from lightning_paro.comm.topology import Topology
-    from lightning_paro.strategy.auto import AutoConfig, plan_for_job
+    from lightning_paro.planner import AutoConfig, plan_for_job
     from lightning_paro.strategy.strategy import PaROStrategy
 
     # 2 blocks of 1.3e8 parameters on the meta device (nothing allocated), 16 groups of 8 on fast, high-latency links

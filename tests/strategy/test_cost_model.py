@@ -8,18 +8,12 @@ import pytest
 
 from lightning_paro.comm.ho_ring import CHUNKS_IN_FLIGHT
 from lightning_paro.plan import LLAMA_7B, LLAMA_65B, PAPER_INTER_NODE_GBPS, paper_scale_rows
-from lightning_paro.strategy.auto import plan
-from lightning_paro.strategy.cost_model import (
+from lightning_paro.planner import Cluster, Compute, Link, Workload, fastest_chunk_bytes, plan, predict
+from lightning_paro.planner.phases import (
     HO_RING_CHUNKS_IN_FLIGHT,
-    Cluster,
-    Compute,
-    Link,
-    Workload,
-    fastest_chunk_bytes,
-    grad_sync_phases,
     gather_phases,
+    grad_sync_phases,
     param_sync_phases,
-    predict,
     processor_seconds,
     reduce_scatter_phases,
     seconds,

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_paro.comm.topology import Topology
-from lightning_paro.strategy.auto import AutoConfig, _matmuls, plan_for_job, probe_links
+from lightning_paro.planner import AutoConfig, plan_for_job, probe_links
+from lightning_paro.planner.probe import _matmuls
 
 
 class Block(nn.Module):

@@ -1,0 +1,186 @@
+"""Collectives as ring phases over one link class, and their alpha-beta time.
+
+Every collective is a sequence of ring phases over one link class. A ring all-gather or
+reduce-scatter of a buffer of ``S`` bytes over ``k`` ranks takes ``k - 1`` steps, each sending ``S / k`` bytes::
+
+    t = (k - 1) * (alpha + S / (k * beta))          (an all-reduce: twice that)
+
+where ``alpha`` is the link's latency per step and ``beta`` the bandwidth one rank gets while every rank of the job
+communicates at once (the figure the start-up probe measures). Intra-group collectives are the backend's own; its
+reduce-scatter is multiplied by the cluster's ``reduce_scatter_factor`` (1 for ring algorithms, about 2 for gloo).
+Inter-group (rail) collectives run on HO-Ring's inter phase: point to point, the ideal volume, two chunks posted, so
+latency is paid about once per chunk step (one step: all-to-all between two groups; k - 1 steps: a ring over more)
+and no reduce-scatter factor applies.
+
+A global collective is an HO-Ring (``comm/ho_ring.py``): its intra and inter phases send the ideal volume point to
+point to all peers at once with two chunks posted (latency hidden behind the previous chunk, no reduce-scatter factor)
+and overlap chunk by chunk. With phase times ``t_i`` and ``k`` chunks of ``chunk_bytes`` of the full buffer, it is a
+pipeline::
+
+    t = max_i t_i + (sum_i t_i - max_i t_i) / k
+
+so a large buffer costs about its slowest phase, and a buffer of one chunk the sum of its phases. A phase's transfer
+time is multiplied by the cluster's ``hierarchical_factor`` (1 for NCCL-like backends; the probe measures it, as
+HO-Ring's point-to-point sends can use a link better than the backend's collective does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_paro.planner.inputs import Cluster
+from lightning_paro.strategy.levels import Level, ShardingSpec
+
+HO_RING_CHUNKS_IN_FLIGHT = 2
+"""Chunks an HO-Ring phase keeps posted (``comm.ho_ring.CHUNKS_IN_FLIGHT``; a test keeps the two equal)."""
+
+Scope = Literal["intra", "inter"]
+Op = Literal["all_gather", "reduce_scatter", "all_reduce"]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One ring collective over one link class."""
+
+    op: Op
+    """Which collective."""
+    scope: Scope
+    """The link class it crosses."""
+    ranks: int
+    """k: ranks in the ring."""
+    nbytes: float
+    """Bytes of the full buffer (all-gather output, reduce-scatter input, all-reduce buffer)."""
+    hierarchical: bool = False
+    """A phase of a global (HO-Ring) collective: the ideal volume point to point, overlapped with its other phases."""
+
+    @property
+    def point_to_point(self) -> bool:
+        """Sent by HO-Ring's exchanges (every phase of a global collective, and every inter phase): the ideal volume to
+        all peers at once, chunks in flight."""
+        return self.hierarchical or self.scope == "inter"
+
+    @property
+    def ring(self) -> bool:
+        """HO-Ring runs inter phases over more than two groups as a ring (one stream each way per rank)."""
+        return self.point_to_point and self.scope == "inter" and self.ranks > 2
+
+    @property
+    def steps(self) -> int:
+        """Ring steps: k - 1, twice that for an all-reduce."""
+        return (self.ranks - 1) * (2 if self.op == "all_reduce" else 1)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one rank sends: (k - 1) / k of the buffer, twice that for an all-reduce."""
+        return self.steps * self.nbytes / self.ranks
+
+    def seconds(self, cluster: Cluster, chunks: int = 1) -> float:
+        """Alpha-beta time: latency per step + sent bytes / beta, the backend's reduce-scatter times the cluster's
+        factor. A point-to-point phase sends to all its peers at once (one step per chunk, two for an all-reduce) and
+        keeps ``HO_RING_CHUNKS_IN_FLIGHT`` chunks posted, so latency is paid once unless chunks are too small to cover
+        it; inside a global collective its transfer is scaled by the cluster's ``hierarchical_factor``."""
+        link = cluster.intra if self.scope == "intra" else cluster.inter
+        transfer = self.sent_bytes / link.bandwidth
+        if self.point_to_point:
+            # all-to-all: one step per chunk; a ring (inter phases over more than two groups): k - 1 steps
+            per_chunk = (2 if self.op == "all_reduce" else 1) * (self.ranks - 1 if self.ring else 1)
+            if self.hierarchical:
+                transfer *= cluster.hierarchical_factor
+            return per_chunk * link.latency + max(transfer, chunks * per_chunk * link.latency / HO_RING_CHUNKS_IN_FLIGHT)
+        t = self.steps * link.latency + transfer
+        return t * cluster.reduce_scatter_factor if self.op == "reduce_scatter" else t
+
+
+def _phases(*candidates: Phase) -> tuple[Phase, ...]:
+    return tuple(p for p in candidates if p.ranks > 1 and p.nbytes > 0)
+
+
+def _global(*candidates: Phase) -> tuple[Phase, ...]:
+    """The phases of one global collective: an HO-Ring when it has phases on both link classes (m > 1 and g > 1),
+    else the backend's own collective over the one link class there is."""
+    phases = _phases(*candidates)
+    return tuple(dataclasses.replace(p, hierarchical=True) for p in phases) if len(phases) > 1 else phases
+
+
+def gather_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+    """All-gather a buffer of ``nbytes`` from level-``level`` shards (G: inter then intra)."""
+    m, g = cluster.group_size, cluster.num_groups
+    if level == Level.N:
+        return ()
+    if level == Level.I:
+        return _phases(Phase("all_gather", "intra", m, nbytes))
+    return _global(Phase("all_gather", "inter", g, nbytes / m), Phase("all_gather", "intra", m, nbytes))
+
+
+def reduce_scatter_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+    """Reduce-scatter a full buffer of ``nbytes`` into level-``level`` shards (G: intra then inter)."""
+    m, g = cluster.group_size, cluster.num_groups
+    if level == Level.N:
+        return ()
+    if level == Level.I:
+        return _phases(Phase("reduce_scatter", "intra", m, nbytes))
+    return _global(Phase("reduce_scatter", "intra", m, nbytes), Phase("reduce_scatter", "inter", g, nbytes / m))
+
+
+def grad_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+    """Once per step: bring ``nbytes`` of accumulated gradient from level G to level OS (design, section 4)."""
+    m, g = cluster.group_size, cluster.num_groups
+    G, OS = spec.grads, spec.optim
+    if G == Level.N and OS == Level.N:  # a global all-reduce
+        return _global(Phase("reduce_scatter", "intra", m, nbytes), Phase("all_reduce", "inter", g, nbytes / m),
+                       Phase("all_gather", "intra", m, nbytes))
+    if G == Level.N and OS == Level.I:
+        return _phases(Phase("reduce_scatter", "intra", m, nbytes), Phase("all_reduce", "inter", g, nbytes / m))
+    if G == Level.N:
+        return reduce_scatter_phases(Level.G, nbytes, cluster)
+    if G == Level.I and OS == Level.I:
+        return _phases(Phase("all_reduce", "inter", g, nbytes / m))
+    if G == Level.I:
+        return _phases(Phase("reduce_scatter", "inter", g, nbytes / m))
+    return ()
+
+
+def param_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+    """Once per step, after the update: bring ``nbytes`` of trainable parameters from level OS to level P."""
+    P, OS = spec.params, spec.optim
+    if P == OS:
+        return ()
+    if P == Level.N:
+        return gather_phases(OS, nbytes, cluster)
+    return _phases(Phase("all_gather", "inter", cluster.num_groups, nbytes / cluster.group_size))  # G -> I
+
+
+def _phase_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> tuple[float, list[tuple[Phase, float]]]:
+    """A collective's time (phases one after another, or an HO-Ring's pipelined chunk by chunk) and each phase's."""
+    ho = [p for p in phases if p.hierarchical]
+    each = [(p, p.seconds(cluster, max(1, math.ceil(p.nbytes / cluster.chunk_bytes)))) for p in phases
+            if not p.hierarchical]
+    t = sum(s for _, s in each)
+    if ho:
+        chunks = max(1, math.ceil(max(p.nbytes for p in ho) / cluster.chunk_bytes))
+        times = [p.seconds(cluster, chunks) for p in ho]
+        t += max(times) + (sum(times) - max(times)) / chunks
+        each += list(zip(ho, times))
+    return t, each
+
+
+def seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
+    """Time of one collective's phases: one after another, or pipelined chunk by chunk when they are an HO-Ring's
+    (module docstring)."""
+    return _phase_seconds(phases, cluster)[0]
+
+
+def processor_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> float:
+    """The part of a collective's time that compute running beside it cannot use: each phase's time times one minus
+    its link's ``overlap``, at most the collective's time (0 on links with engines of their own)."""
+    return seconds_and_processor_seconds(phases, cluster)[1]
+
+
+def seconds_and_processor_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> tuple[float, float]:
+    """:func:`seconds` and :func:`processor_seconds` of one collective, its phases timed once."""
+    t, each = _phase_seconds(phases, cluster)
+    link = {"intra": cluster.intra, "inter": cluster.inter}
+    return t, min(t, sum(s * (1.0 - link[p.scope].overlap) for p, s in each))

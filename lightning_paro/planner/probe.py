@@ -1,0 +1,228 @@
+"""The start-up link probe: timed all-gathers and reduce-scatters on every link class, fitted to alpha and beta, and
+each link's overlap with compute (collective: every rank runs it at once, and every rank gets the same figures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_paro.planner.inputs import UNUSED_LINK, Cluster, Link
+from lightning_paro.planner.phases import gather_phases, seconds
+from lightning_paro.strategy.levels import Level
+
+OVERLAP_WINDOW_S = 0.25
+"""The probe times a link's overlap with compute over at least this long (at most 64 large all-gathers)."""
+
+OVERLAP_REPEATS = 3
+"""Timings of a link's overlap with compute; the probe takes their median (one varies by tens of percent on a
+machine whose processors the ranks share)."""
+
+
+@dataclass(frozen=True)
+class MeasuredLinks:
+    """Links as measured by :func:`probe_links` (the same on every rank)."""
+
+    intra: Link
+    """Intra-group links (``UNUSED_LINK`` when m = 1), with the measured ``overlap``."""
+    inter: Link
+    """Inter-group links (``UNUSED_LINK`` when g = 1), with the measured ``overlap``."""
+    reduce_scatter_factor: float = 1.0
+    """A large intra-group reduce-scatter's time over the same all-gather's (the backend's collectives; rail ones are
+    HO-Ring's); 1 when nothing was measured."""
+    hierarchical_factor: float = 1.0
+    """A global (HO-Ring) all-gather's time over what the two links predict for it; 1 when not measured (m = 1 or
+    g = 1)."""
+
+
+def overlap_from_times(compute: float, comm: float, both: float) -> float:
+    """The share of ``comm`` that hid behind ``compute`` when both ran at once (``both`` seconds), in [0, 1].
+
+    1: ``both`` took as long as the longer of the two (the transfer needs none of the processor the compute runs on);
+    0: as long as their sum or longer (it needed it all the time, or the two slowed each other down further).
+    """
+    shorter = min(compute, comm)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute + comm - both) / shorter))
+
+
+def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: float, large_seconds: float) -> Link:
+    """Alpha and beta from the times of two ring all-gathers over ``ranks`` ranks (full buffer sizes in bytes).
+
+    ``t = (k - 1) alpha + (k - 1) / k * S / beta``: the bandwidth from the difference, the latency from the rest
+    of the small one. If noise makes the large gather no slower than the small one, the large one alone gives the
+    bandwidth and the latency is taken as 0.
+    """
+    k = ranks
+    share = (k - 1) / k
+    if large_seconds > small_seconds and large_bytes > small_bytes:
+        bandwidth = share * (large_bytes - small_bytes) / (large_seconds - small_seconds)
+        latency = max(0.0, small_seconds - share * small_bytes / bandwidth) / (k - 1)
+        return Link(bandwidth, latency)
+    return Link(share * large_bytes / max(large_seconds, 1e-9), 0.0)
+
+
+@dataclass(frozen=True)
+class _MatmulLoop:
+    """The probe's stand-in for compute: ``count`` square matmuls; calling it runs them and returns the seconds."""
+
+    x: Any
+    y: Any
+    count: int
+
+    def __call__(self) -> float:
+        import torch
+
+        _synchronize(self.x.device)
+        started = time.perf_counter()
+        for _ in range(self.count):
+            torch.mm(self.x, self.x, out=self.y)
+        _synchronize(self.x.device)
+        return time.perf_counter() - started
+
+
+def _matmuls(device, seconds_wanted: float, group) -> _MatmulLoop:
+    """A compute loop of square matmuls that takes about ``seconds_wanted`` while every rank of ``group`` runs it at
+    once, the slowest rank's time counting; the same loop on every rank (collective: call on every rank of ``group``).
+
+    Sized together, not on one rank alone: ranks that share processors (CPU processes on one machine) each compute
+    slower together than alone, and an overlap timed against compute much longer than the transfers it hides reads
+    mostly noise.
+    """
+    import torch
+    import torch.distributed as dist
+
+    size = 1024 if device.type == "cuda" else 192
+    x = torch.randn(size, size, device=device)
+    loop = _MatmulLoop(x, torch.empty_like(x), 1)
+    loop()  # warm-up
+    one = max(dataclasses.replace(loop, count=4)() / 4, 1e-7)
+    # one count for every rank: the largest first guess, then scaled by how long it took with all of them at once
+    figure = torch.tensor([float(max(1, round(seconds_wanted / one)))], dtype=torch.float64, device=device)
+    dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)
+    loop = dataclasses.replace(loop, count=int(figure.item()))
+    dist.barrier(group=group)
+    figure = torch.tensor([loop()], dtype=torch.float64, device=device)
+    dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)
+    return dataclasses.replace(loop, count=max(1, round(loop.count * seconds_wanted / max(figure.item(), 1e-9))))
+
+
+def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
+                repeats: int = 3, chunk_bytes: int | None = None, global_bytes: int | None = None) -> MeasuredLinks:
+    """Measure intra- and inter-group links with a few all-gathers (collective: call on every rank).
+
+    All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
+    every rank communicates. Each size is gathered once to warm up, then ``repeats`` times; a rank's time is the
+    mean, and the slowest rank's time counts. A link's ``overlap`` is the median of ``OVERLAP_REPEATS`` readings of
+    :func:`overlap_from_times`, each from three timings over ``OVERLAP_WINDOW_S`` or more, every rank at once: a run
+    of large all-gathers issued on the engine's communication thread, matmuls sized to last as long while every rank
+    computes, and the two together. With several
+    groups of several ranks, one more all-gather of ``global_bytes`` (default: 4 x ``large_bytes``, enough chunks for
+    the pipeline to fill) over the whole world runs as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks),
+    and its time over the links' prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its
+    own.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from lightning_paro.comm.accounting import TrafficMeter
+    from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    world = topology.groups.world
+    scopes = [("intra", topology.group_size), ("inter", topology.num_groups)]
+    hierarchical = topology.group_size > 1 and topology.num_groups > 1
+    global_elems = max(1, (global_bytes or 4 * large_bytes) // (4 * topology.world_size)) * topology.world_size
+    ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
+                                                                              chunk_bytes=chunk_bytes)
+    comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
+
+    def timed(run) -> float:
+        run()  # warm-up: connections, allocations
+        _synchronize(device)
+        dist.barrier(group=world)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        _synchronize(device)
+        return (time.perf_counter() - start) / repeats
+
+    def beside(compute, count: int) -> float:
+        """Seconds until ``count`` all-gathers issued on the communication thread (none: 0) and ``compute`` (None:
+        nothing) are all done, every rank starting at once."""
+        _synchronize(device)
+        dist.barrier(group=world)
+        start = time.perf_counter()
+        handles = [comm.all_gather(out, shard, scope, async_op=True) for _ in range(count)]
+        if compute is not None:
+            compute()
+        for handle in handles:
+            handle.wait()
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    per_scope = 3 + 3 * OVERLAP_REPEATS
+    times = []  # per scope: small all-gather, large all-gather, large reduce-scatter, then per overlap reading:
+    #             gathers alone, compute alone, the two together (per gather)
+    try:
+        for scope, k in scopes:
+            if k == 1:
+                times += [0.0] * per_scope
+                continue
+            for nbytes in (small_bytes, large_bytes):
+                elems = max(1, nbytes // (4 * k)) * k
+                out = torch.empty(elems, dtype=torch.float32, device=device)
+                shard = torch.ones(elems // k, dtype=torch.float32, device=device)
+                times.append(timed(lambda: comm.all_gather(out, shard, scope)))
+            times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
+            # overlap: enough large gathers (the same number on every rank) to fill OVERLAP_WINDOW_S
+            slowest_gather = torch.tensor([times[-2]], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest_gather, op=dist.ReduceOp.MAX, group=world)
+            count = min(64, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather.item(), 1e-9)))
+            # as long as the gathers while every rank computes (the same loop on every rank)
+            compute = _matmuls(device, count * slowest_gather.item(), group=world)
+            for _ in range(OVERLAP_REPEATS):
+                times += [beside(None, count) / count, beside(compute, 0) / count, beside(compute, count) / count]
+        if hierarchical:
+            out = torch.empty(global_elems, dtype=torch.float32, device=device)
+            shard = torch.ones(global_elems // topology.world_size, dtype=torch.float32, device=device)
+            times.append(timed(lambda: comm.all_gather(out, shard, "global")))
+    finally:
+        comm.close()
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
+    t = slowest.tolist()
+    links, factors = [], []
+    for i, (scope, k) in enumerate(scopes):
+        if k == 1:
+            links.append(UNUSED_LINK)
+            continue
+        elems_small, elems_large = (max(1, b // (4 * k)) * k for b in (small_bytes, large_bytes))
+        small, large, reduce, *readings = t[per_scope * i:per_scope * (i + 1)]
+        overlap = statistics.median(overlap_from_times(compute, gathers, both)
+                                    for gathers, compute, both in zip(*[iter(readings)] * 3))
+        links.append(dataclasses.replace(fit_link(k, 4 * elems_small, small, 4 * elems_large, large), overlap=overlap))
+        if scope == "intra":  # the backend's collective; rail ones are point to point at the ideal volume
+            factors.append(reduce / large if large > 0 else 1.0)
+    factor = 1.0
+    if hierarchical:
+        measured = t[per_scope * len(scopes)]  # after the timings of each scope
+        cluster = Cluster(topology.world_size, topology.group_size, links[0], links[1], 1.0,
+                          chunk_bytes=ho_ring.chunk_bytes)
+        predicted = seconds(gather_phases(Level.G, 4 * global_elems, cluster), cluster)
+        if predicted > 0 and measured > 0:
+            factor = min(4.0, max(0.25, measured / predicted))  # clamped: a noisy probe must not dominate the plan
+    return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0),
+                         hierarchical_factor=factor)
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
