@@ -106,14 +106,27 @@ class Unit:
         for f in self.flats:
             f.prepare_grads()
 
-    def post_backward(self, free: bool) -> None:
+    def post_backward(self, free: bool, previous: Unit | None = None) -> bool:
+        """After this unit's backward: reduce its gradients (G != N) and free its parameters (``free``). Returns
+        whether it ran (once per micro-step). ``previous``: the unit whose reduction was issued last; it is waited
+        for first, so at most one unit's gradients are in flight while the next ones are flattened (a reduction
+        slower than compute would otherwise pile up a full gradient per unit)."""
         if self.backward_done or not self.backward_started:
-            return
+            return False
         self.backward_done = True
+        if previous is not None and previous is not self:
+            previous.wait_reduce()
         for f in self.flats:
             f.reduce_grads()
         if free:
             self.free()
+        return True
+
+    def wait_reduce(self) -> None:
+        for f in self.flats:
+            if f.pending_reduce is not None:
+                f.pending_reduce.wait()
+                f.pending_reduce = None
 
 
 class _PostBackward(torch.autograd.Function):
@@ -156,6 +169,7 @@ class PaROEngine:
         self._hooks: list[RemovableHandle] = []
         self._order: list[Unit] = []  # execution order seen in the last forward
         self._seen: list[Unit] = []
+        self._reducing: Unit | None = None  # the unit whose gradient reduction was issued last in this backward
         self.attached = True
         """Whether the module's parameters are this engine's (False once :meth:`restore_module` gave them back)."""
         _check_module(module)
@@ -288,7 +302,8 @@ class PaROEngine:
         self._prefetch_after(unit, forward=False)
 
     def _unit_post_backward(self, unit: Unit) -> None:
-        unit.post_backward(free=unit.sharded_params)
+        if unit.post_backward(free=unit.sharded_params, previous=self._reducing):
+            self._reducing = unit
 
     def _prefetch_after(self, unit: Unit, forward: bool) -> None:
         if not self.prefetch or unit not in self._order:
@@ -317,9 +332,9 @@ class PaROEngine:
         bring the gradients to the optimizer-state level."""
         if self._seen:
             self._order = list(self._seen)
-        for unit in reversed(self._order):
-            unit.post_backward(free=unit.sharded_params)
-        self.root.post_backward(free=self.root.sharded_params)
+        for unit in [*reversed(self._order), self.root]:
+            self._unit_post_backward(unit)
+        self._reducing = None
         if sync:
             self.sync_grads()
 
@@ -558,10 +573,7 @@ class PaROEngine:
         for unit in self.units:
             unit.wait_param_sync()
             unit.wait_gather()
-            for f in unit.flats:
-                if f.pending_reduce is not None:
-                    f.pending_reduce.wait()
-                    f.pending_reduce = None
+            unit.wait_reduce()
 
     def restore_module(self) -> None:
         """Give the module back full, independent parameters and remove every hook (collective)."""

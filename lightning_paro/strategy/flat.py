@@ -121,7 +121,7 @@ class FlatGroup:
             self.gathered = False
 
         self.g_full: torch.Tensor | None = None
-        """Where autograd accumulates this rank's full local gradient (persistent when G == N)."""
+        """Where autograd accumulates this rank's full local gradient across micro-steps (G == N only)."""
         self.g_shard: torch.Tensor | None = None
         """The gradient accumulated at level G across micro-steps (G != N)."""
         self.master: nn.Parameter | None = None
@@ -141,11 +141,10 @@ class FlatGroup:
     # ------------------------------------------------------------------ set-up
     def _init_trainable(self, master_dtype: torch.dtype | None) -> None:
         spec, L = self.spec, self.layout.padded
-        self.g_full = torch.zeros(L, dtype=self.dtype, device=self.device)
         if spec.grads == Level.N:
+            self.g_full = torch.zeros(L, dtype=self.dtype, device=self.device)
             self.attach_grads()
         else:
-            free_storage(self.g_full)
             self.g_shard = torch.zeros(self.layout.shard_numel(spec.grads), dtype=self.dtype, device=self.device)
         o0, o1 = self.layout.range(spec.optim)
         p0 = self.layout.start(spec.params)
@@ -201,7 +200,9 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ gradients
     def prepare_grads(self) -> None:
-        """Before this group's backward: point ``.grad`` at the full local gradient (G != N: allocate it first).
+        """Before this group's backward. G == N: point ``.grad`` at the persistent full gradient, so autograd
+        accumulates every micro-step into it. G != N: clear ``.grad``, so autograd hands each parameter's gradient
+        over as it computes it (no copy, nothing allocated before it is needed); :meth:`reduce_grads` flattens them.
 
         Re-attached every micro-step: ``module.zero_grad()`` (which Lightning calls at the start of a stage) drops
         the views.
@@ -210,31 +211,47 @@ class FlatGroup:
             return
         if self.spec.grads == Level.N:
             self.attach_grads()
-            return
-        if self.pending_reduce is not None:
-            self.pending_reduce.wait()  # the previous micro-step's reduction still reads g_full
-            self.pending_reduce = None
-        alloc_storage(self.g_full)
-        self.g_full.zero_()
-        self.attach_grads()
+        else:
+            self.detach_grads()
 
     def reduce_grads(self) -> None:
-        """After this group's backward (G != N): reduce-scatter the local gradient into the G-level accumulator.
+        """After this group's backward (G != N): flatten the parameters' gradients into one buffer (a parameter
+        with no gradient contributes zeros) and reduce-scatter it into the G-level accumulator.
 
-        Runs asynchronously; the gradient memory is released once the reduction has consumed it.
+        Runs asynchronously; the flat buffer is released once the reduction has consumed it, the parameters'
+        gradients at once.
         """
-        if not self.trainable or self.spec.grads == Level.N or self.g_full.untyped_storage().size() == 0:
+        if not self.trainable or self.spec.grads == Level.N:
             return
+        grads = [s.param.grad for s in self.slots]
+        if all(g is None for g in grads):
+            return  # no gradient reached this group in this micro-step
+        flat = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            end = 0
+            for s, g in zip(self.slots, grads):
+                if s.offset > end:
+                    flat[end:s.offset].zero_()
+                dst = flat[s.offset:s.offset + s.numel]
+                if g is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(g.reshape(-1))
+                end = s.offset + s.numel
+            flat[end:].zero_()
         self.detach_grads()
+        del grads
         tmp = torch.empty_like(self.g_shard)
-        self.comm.reduce_scatter(tmp, self.g_full, _SCOPE[self.spec.grads], async_op=True)
-        g_full, g_shard = self.g_full, self.g_shard
+        self.comm.reduce_scatter(tmp, flat, _SCOPE[self.spec.grads], async_op=True)
+        g_shard = self.g_shard
 
         def accumulate() -> None:
             g_shard.add_(tmp)
-            free_storage(g_full)
+            free_storage(flat)
 
         # Queued behind the reduce-scatter: if that fails, this never runs (tmp holds no gradient then).
+        if self.pending_reduce is not None:
+            self.pending_reduce.wait()  # an earlier reduction of this group in this micro-step (a unit run twice)
         self.pending_reduce = self.comm.submit(accumulate, what="gradient accumulation after reduce_scatter",
                                                scope=_SCOPE[self.spec.grads])
 
