@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 import lightning as L
 from lightning_paro.cli.build import build_data, build_model, build_trainer, strategy_label
+from lightning_paro.cli.peak_memory import PeakMemory, fix_mmap_threshold
 from lightning_paro.cli.schema import Config, ConfigError
 
 WEIGHTS_FILE = "weights.ckpt"
@@ -298,9 +299,11 @@ class StepTimer(L.Callback):
     Samples are the batch size Lightning finds in each batch (the first tensor's first dimension); a module that
     sets ``tokens_per_sample`` (a sequence model) gets tokens per second too."""
 
-    def __init__(self, cfg: Config, losses: LossRecorder) -> None:
+    def __init__(self, cfg: Config, losses: LossRecorder, memory: Optional[PeakMemory] = None) -> None:
         self.cfg = cfg
         self.losses = losses
+        self.memory = memory or PeakMemory()
+        """Where the peak memory during training is read (it must run before this callback's on_train_end)."""
         self.warmup = cfg.bench.warmup_steps
         self.marks: dict[int, float] = {}
         self.batch_started = (0, 0.0)
@@ -335,7 +338,8 @@ class StepTimer(L.Callback):
         states = model_state_bytes(trainer.strategy, pl_module, trainer.optimizers)
         accumulating = statistics.fmean(self.accumulating) if self.accumulating else math.nan
         local = torch.tensor([per_step[-1] if per_step else math.nan, peak_rss_bytes(), sum(states.values()),
-                              accumulating, self.samples], dtype=torch.float64)
+                              accumulating, self.samples, self.memory.train_peak or 0,
+                              self.memory.setup_resident or 0], dtype=torch.float64)
         ranks = gather_rows(local, trainer.world_size)  # collective: every rank takes part
         if not trainer.is_global_zero:
             return
@@ -361,6 +365,10 @@ class StepTimer(L.Callback):
                                                else None),
             "final_loss": float(ranks[:, 0].mean()),
             "peak_rss_bytes_max_rank": int(ranks[:, 1].max()),
+            "memory_fixed_mmap_threshold": bool(self.cfg.bench.memory),
+            "train_peak_bytes_max_rank": int(ranks[:, 5].max()),
+            "train_peak_bytes_per_rank": [int(v) for v in ranks[:, 5]],
+            "train_start_bytes_per_rank": [int(v) for v in ranks[:, 6]],
             "model_state_bytes_max_rank": int(ranks[:, 2].max()),
             "model_state_bytes_rank0": states,
             "parameters": sum(p.numel() for p in pl_module.parameters()),
@@ -437,16 +445,41 @@ def model_state_bytes(strategy: Any, module: torch.nn.Module, optimizers: list) 
 
 
 def bench(cfg: Config) -> None:
-    """Train bench.warmup_steps + bench.steps optimizer steps and report the timed steps' throughput. The callbacks
+    """Train bench.warmup_steps + bench.steps optimizer steps and report the timed steps' throughput and peak memory;
+    with bench.eval_batches, validate on that many batches afterwards and add that stage's peak memory. The callbacks
     and logger groups are left out (a checkpoint or a logger would be timed too)."""
+    if cfg.bench.memory:
+        fix_mmap_threshold()  # before anything large is allocated
     model = build_model(cfg)
     data = build_data(cfg)
     losses = LossRecorder()
-    trainer = build_trainer(cfg, callbacks=[losses, StepTimer(cfg, losses)], user_callbacks=False, loggers=False,
-                            max_steps=cfg.bench.warmup_steps + cfg.bench.steps, validate=False)
+    memory = PeakMemory()
+    trainer = build_trainer(cfg, callbacks=[memory, losses, StepTimer(cfg, losses, memory)], user_callbacks=False,
+                            loggers=False, max_steps=cfg.bench.warmup_steps + cfg.bench.steps, validate=False)
     kwargs = data.fit_kwargs()
-    kwargs.pop("val_dataloaders", None)
+    val = kwargs.pop("val_dataloaders", None)
+    evaluation = _validate_kwargs(kwargs, val) if cfg.bench.eval_batches else None  # refused before training
     trainer.fit(model, **kwargs)
+    if evaluation is not None:
+        trainer.limit_val_batches = cfg.bench.eval_batches  # the same Trainer, as a user validates after fit
+        trainer.validate(model, **evaluation, verbose=False)
+        peak = gather_rows(torch.tensor([float(memory.eval_peak or 0)], dtype=torch.float64), trainer.world_size)
+        if trainer.is_global_zero:
+            report = Path(cfg.run.dir) / BENCH_FILE
+            result = json.loads(report.read_text())
+            result["eval_peak_bytes_max_rank"] = int(peak[:, 0].max())
+            result["eval_peak_bytes_per_rank"] = [int(v) for v in peak[:, 0]]
+            report.write_text(json.dumps(result, indent=2))
+            print(f"bench validation on {cfg.bench.eval_batches} batches: peak memory"
+                  f" {result['eval_peak_bytes_max_rank'] / 2**20:.0f} MiB on the largest rank", flush=True)
+
+
+def _validate_kwargs(fit_kwargs: dict[str, Any], val: Any) -> dict[str, Any]:
+    if "datamodule" in fit_kwargs:
+        return {"datamodule": fit_kwargs["datamodule"]}
+    if val is None:
+        raise ConfigError("bench.eval_batches", "there is no validation data (data.val) to evaluate on")
+    return {"dataloaders": val}
 
 
 COMMANDS = {"fit": fit, "predict": predict, "bench": bench}

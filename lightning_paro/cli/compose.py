@@ -347,6 +347,8 @@ def check_config(cfg: Config) -> None:
     _positive("bench.steps", cfg.bench.steps)
     if cfg.bench.warmup_steps < 0:
         raise ConfigError("bench.warmup_steps", f"{cfg.bench.warmup_steps} must be 0 or more")
+    if cfg.bench.eval_batches < 0:
+        raise ConfigError("bench.eval_batches", f"{cfg.bench.eval_batches} must be 0 (no evaluation) or more")
     if not cfg.run.dir:
         raise ConfigError("run.dir", "must name an output directory")
 

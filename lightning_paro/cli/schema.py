@@ -183,6 +183,11 @@ class BenchConfig:
     """Optimizer steps run before timing starts."""
     steps: int = 5
     """Optimizer steps timed."""
+    memory: bool = False
+    """Measure peak memory faithfully on the CPU: fix glibc's mmap threshold, so freed tensors leave the resident
+    set (every large allocation is then mapped afresh, which costs time: leave it off to compare throughput)."""
+    eval_batches: int = 0
+    """After training, validate on this many batches and report that stage's peak memory (0: no evaluation)."""
 
 
 @dataclass(frozen=True)
