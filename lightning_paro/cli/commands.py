@@ -339,7 +339,8 @@ class StepTimer(L.Callback):
         accumulating = statistics.fmean(self.accumulating) if self.accumulating else math.nan
         local = torch.tensor([per_step[-1] if per_step else math.nan, peak_rss_bytes(), sum(states.values()),
                               accumulating, self.samples, self.memory.train_peak or 0,
-                              self.memory.setup_resident or 0], dtype=torch.float64)
+                              self.memory.setup_resident or 0, self.memory.process_resident or 0],
+                             dtype=torch.float64)
         ranks = gather_rows(local, trainer.world_size)  # collective: every rank takes part
         if not trainer.is_global_zero:
             return
@@ -369,6 +370,7 @@ class StepTimer(L.Callback):
             "train_peak_bytes_max_rank": int(ranks[:, 5].max()),
             "train_peak_bytes_per_rank": [int(v) for v in ranks[:, 5]],
             "train_start_bytes_per_rank": [int(v) for v in ranks[:, 6]],
+            "process_start_bytes_per_rank": [int(v) for v in ranks[:, 7]],
             "model_state_bytes_max_rank": int(ranks[:, 2].max()),
             "model_state_bytes_rank0": states,
             "parameters": sum(p.numel() for p in pl_module.parameters()),
@@ -450,10 +452,10 @@ def bench(cfg: Config) -> None:
     and logger groups are left out (a checkpoint or a logger would be timed too)."""
     if cfg.bench.memory:
         fix_mmap_threshold()  # before anything large is allocated
+    memory = PeakMemory()  # before the model: its process_resident is the framework alone
     model = build_model(cfg)
     data = build_data(cfg)
     losses = LossRecorder()
-    memory = PeakMemory()
     trainer = build_trainer(cfg, callbacks=[memory, losses, StepTimer(cfg, losses, memory)], user_callbacks=False,
                             loggers=False, max_steps=cfg.bench.warmup_steps + cfg.bench.steps, validate=False)
     kwargs = data.fit_kwargs()

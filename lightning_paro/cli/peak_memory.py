@@ -76,6 +76,9 @@ class PeakMemory(L.Callback):
     fit), each from a fresh high-water mark."""
 
     def __init__(self) -> None:
+        self.process_resident = resident_bytes()
+        """Resident bytes when this callback was made: the interpreter and the imported framework, before the model
+        (on CUDA too: the host side)."""
         self.train_peak: Optional[int] = None
         self.eval_peak: Optional[int] = None
         self.setup_resident: Optional[int] = None
