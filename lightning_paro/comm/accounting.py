@@ -62,14 +62,6 @@ class TrafficMeter:
         with self._lock:
             return [TrafficRecord(op, scope, b, self._calls[(op, scope)]) for (op, scope), b in sorted(self._bytes.items())]
 
-    def by_scope(self) -> dict[str, int]:
-        """Total bytes per scope: ``{"intra": ..., "inter": ...}``."""
-        out = {INTRA: 0, INTER: 0}
-        with self._lock:
-            for (_, scope), b in self._bytes.items():
-                out[scope] += b
-        return out
-
     def snapshot(self) -> dict[tuple[str, str], int]:
         with self._lock:
             return dict(self._bytes)

@@ -89,9 +89,6 @@ class CommHandle:
             self._worker.wait_for(self._future)
         self._future.result()
 
-    def is_completed(self) -> bool:
-        return self._future.done()
-
 
 def _settle(future: Future, result=None, error: BaseException | None = None) -> None:
     # A future may already carry the failure a waiter declared while its work was still running.

@@ -158,9 +158,6 @@ class HORingWork:
             raise RuntimeError(f"HO-Ring collective failed{self._where}: {type(self._error).__name__}: "
                                f"{self._error}") from self._error
 
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
     def progress_at(self) -> float:
         """When a chunk last finished one of this collective's phases (any collective's, as they share phases)."""
         return max([self._issued_at] + [p.progress_at for p in self._phases])

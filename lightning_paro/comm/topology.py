@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from lightning_paro.comm.group_cache import cached_groups, default_timeout
-
-if TYPE_CHECKING:
-    from lightning.fabric.plugins.environments import ClusterEnvironment
 
 
 @dataclass(frozen=True)
@@ -47,12 +44,6 @@ class Topology:
             raise RuntimeError("torch.distributed is not initialised: call init_process_group first.")
         n = dist.get_world_size()
         return cls(world_size=n, group_size=group_size or n, rank=dist.get_rank())
-
-    @classmethod
-    def from_cluster_environment(cls, env: ClusterEnvironment, processes_per_node: int,
-                                 group_size: int | None = None) -> Topology:
-        """Build from a Lightning cluster environment; ``group_size`` defaults to the processes per node."""
-        return cls(world_size=env.world_size(), group_size=group_size or processes_per_node, rank=env.global_rank())
 
     @property
     def num_groups(self) -> int:
