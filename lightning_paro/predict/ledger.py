@@ -402,12 +402,6 @@ class Ledger:
             return CommitResult.ALREADY_COMMITTED
         return CommitResult.SUPERSEDED
 
-    def shard_state(self, shard_id: int) -> Optional[str]:
-        rows = self.db.query(
-            "SELECT state FROM paro_predict_shards WHERE job = ? AND shard_id = ?", (self.job, shard_id)
-        )
-        return rows[0][0] if rows else None
-
     def shards(self, states: Optional[tuple[str, ...]] = None) -> list[ShardRecord]:
         """All shards of the job (optionally only those in ``states``), ordered by first row."""
         sql = f"SELECT {_SHARD_COLUMNS} FROM paro_predict_shards WHERE job = ?"
