@@ -49,8 +49,7 @@ from typing import Any, Callable, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_paro import compat
-from lightning_paro.comm import ho_ring
+from lightning_paro.comm import ho_ring, pieces
 from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
 from lightning_paro.comm.group_cache import cached_groups, default_timeout, stall_limit
 from lightning_paro.comm.ho_ring import HORingConfig
@@ -379,6 +378,11 @@ class Communicator:
     def _rail_kwargs(self) -> dict:
         return {"chunk_bytes": self.ho_ring_config.chunk_bytes, "single_thread": self.ho_ring_config.single_thread}
 
+    def _piece_bytes(self) -> int:
+        """Largest piece of a flat all-gather or reduce-scatter on a backend that stages the whole buffer (gloo)."""
+        chunk = self.ho_ring_config.chunk_bytes if self.ho_ring_config is not None else None
+        return int(chunk) if chunk else pieces.DEFAULT_PIECE_BYTES
+
     # ------------------------------------------------------------------ one-phase primitives
     def _phase_all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: str) -> None:
         k = self._size(scope)
@@ -389,7 +393,7 @@ class Communicator:
         if scope == INTER and self._ho_groups is not None:
             ho_ring.rail_all_gather(out, shard, self._ho_groups, **self._rail_kwargs())
             return
-        compat.all_gather_single(out, shard, group=self._group(scope))
+        pieces.all_gather(out, shard, self._group(scope), k, self._piece_bytes())
 
     def _phase_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str) -> None:
         k = self._size(scope)
@@ -400,7 +404,7 @@ class Communicator:
         if scope == INTER and self._ho_groups is not None:
             ho_ring.rail_reduce_scatter(out, full, self._ho_groups, **self._rail_kwargs())
             return
-        compat.reduce_scatter_single(out, full, group=self._group(scope))
+        pieces.reduce_scatter(out, full, self._group(scope), k, self._piece_bytes())
 
     def _phase_all_reduce(self, tensor: torch.Tensor, scope: str) -> None:
         k = self._size(scope)
