@@ -33,6 +33,14 @@ from typing import Literal
 
 from lightning_paro.planner.inputs import Cluster
 from lightning_paro.strategy.levels import Level, ShardingSpec
+from lightning_paro.strategy.transitions import (
+    Transition,
+    gather_params,
+    grads_to_optim,
+    link_phases,
+    optim_to_params,
+    reduce_grads,
+)
 
 HO_RING_CHUNKS_IN_FLIGHT = 2
 """Chunks an HO-Ring phase keeps posted (``comm.ho_ring.CHUNKS_IN_FLIGHT``; a test keeps the two equal)."""
@@ -105,52 +113,36 @@ def _global(*candidates: Phase) -> tuple[Phase, ...]:
     return tuple(dataclasses.replace(p, hierarchical=True) for p in phases) if len(phases) > 1 else phases
 
 
+def transition_phases(transition: Transition, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+    """The phases of a level transition (``lightning_paro.strategy.transitions``) on a buffer of ``nbytes``: each
+    collective split into its link phases, a global one pipelined as an HO-Ring."""
+    m, g = cluster.group_size, cluster.num_groups
+    out: list[Phase] = []
+    for c in transition:
+        phases = [Phase(p.op, p.link, m if p.link == "intra" else g, p.fraction * nbytes)
+                  for p in link_phases(c, m, g)]
+        out += _global(*phases) if c.scope == "global" else _phases(*phases)
+    return tuple(out)
+
+
 def gather_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
     """All-gather a buffer of ``nbytes`` from level-``level`` shards (G: inter then intra)."""
-    m, g = cluster.group_size, cluster.num_groups
-    if level == Level.N:
-        return ()
-    if level == Level.I:
-        return _phases(Phase("all_gather", "intra", m, nbytes))
-    return _global(Phase("all_gather", "inter", g, nbytes / m), Phase("all_gather", "intra", m, nbytes))
+    return transition_phases(gather_params(level), nbytes, cluster)
 
 
 def reduce_scatter_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
     """Reduce-scatter a full buffer of ``nbytes`` into level-``level`` shards (G: intra then inter)."""
-    m, g = cluster.group_size, cluster.num_groups
-    if level == Level.N:
-        return ()
-    if level == Level.I:
-        return _phases(Phase("reduce_scatter", "intra", m, nbytes))
-    return _global(Phase("reduce_scatter", "intra", m, nbytes), Phase("reduce_scatter", "inter", g, nbytes / m))
+    return transition_phases(reduce_grads(level), nbytes, cluster)
 
 
 def grad_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
     """Once per step: bring ``nbytes`` of accumulated gradient from level G to level OS (design, section 4)."""
-    m, g = cluster.group_size, cluster.num_groups
-    G, OS = spec.grads, spec.optim
-    if G == Level.N and OS == Level.N:  # a global all-reduce
-        return _global(Phase("reduce_scatter", "intra", m, nbytes), Phase("all_reduce", "inter", g, nbytes / m),
-                       Phase("all_gather", "intra", m, nbytes))
-    if G == Level.N and OS == Level.I:
-        return _phases(Phase("reduce_scatter", "intra", m, nbytes), Phase("all_reduce", "inter", g, nbytes / m))
-    if G == Level.N:
-        return reduce_scatter_phases(Level.G, nbytes, cluster)
-    if G == Level.I and OS == Level.I:
-        return _phases(Phase("all_reduce", "inter", g, nbytes / m))
-    if G == Level.I:
-        return _phases(Phase("reduce_scatter", "inter", g, nbytes / m))
-    return ()
+    return transition_phases(grads_to_optim(spec.grads, spec.optim), nbytes, cluster)
 
 
 def param_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
     """Once per step, after the update: bring ``nbytes`` of trainable parameters from level OS to level P."""
-    P, OS = spec.params, spec.optim
-    if P == OS:
-        return ()
-    if P == Level.N:
-        return gather_phases(OS, nbytes, cluster)
-    return _phases(Phase("all_gather", "inter", cluster.num_groups, nbytes / cluster.group_size))  # G -> I
+    return transition_phases(optim_to_params(spec.optim, spec.params), nbytes, cluster)
 
 
 def _phase_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> tuple[float, list[tuple[Phase, float]]]:

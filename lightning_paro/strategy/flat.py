@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from lightning_paro.comm.collectives import CommHandle, Communicator
+from lightning_paro.strategy import transitions
 from lightning_paro.strategy.layout import ShardLayout
 from lightning_paro.strategy.levels import Level, ShardingSpec
-
-_SCOPE = {Level.I: "intra", Level.G: "global"}
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -174,9 +173,10 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ parameters
     def gather_params(self, async_op: bool) -> CommHandle | None:
-        """All-gather the P-level shards into the full buffer (P = I: intra; P = G: inter then intra)."""
+        """All-gather the P-level shards into the full buffer (``transitions.gather_params``)."""
         if self.spec.params == Level.N or self.gathered:
             return None
+        (gather,) = transitions.gather_params(self.spec.params)
         self.gather_meter.add(self.full_bytes)
         alloc_storage(self.p_full)
         self.gathered = True
@@ -184,8 +184,8 @@ class FlatGroup:
         shard, local = self.p_full[p0:p0 + self.p_local.numel()], self.p_local
         # The copy runs on the communication thread, after any parameter sync still writing p_local.
         self.comm.submit(lambda: shard.copy_(local), async_op=True, what="parameter copy before all_gather",
-                         scope=_SCOPE[self.spec.params])
-        return self.comm.all_gather(self.p_full, shard, _SCOPE[self.spec.params], async_op=async_op)
+                         scope=gather.scope)
+        return self.comm.all_gather(self.p_full, shard, gather.scope, async_op=async_op)
 
     def free_params(self) -> None:
         if self.spec.params != Level.N and self.gathered:
@@ -241,8 +241,9 @@ class FlatGroup:
             flat[end:].zero_()
         self.detach_grads()
         del grads
+        (reduce,) = transitions.reduce_grads(self.spec.grads)
         tmp = torch.empty_like(self.g_shard)
-        self.comm.reduce_scatter(tmp, flat, _SCOPE[self.spec.grads], async_op=True)
+        self.comm.reduce_scatter(tmp, flat, reduce.scope, async_op=True)
         g_shard = self.g_shard
 
         def accumulate() -> None:
@@ -253,34 +254,24 @@ class FlatGroup:
         if self.pending_reduce is not None:
             self.pending_reduce.wait()  # an earlier reduction of this group in this micro-step (a unit run twice)
         self.pending_reduce = self.comm.submit(accumulate, what="gradient accumulation after reduce_scatter",
-                                               scope=_SCOPE[self.spec.grads])
+                                               scope=reduce.scope)
 
     def sync_grads(self) -> torch.Tensor:
-        """Once per optimizer step: bring the accumulated gradient to level OS, averaged over all n ranks."""
-        spec, L, topo = self.spec, self.layout.padded, self.comm.topology
+        """Once per optimizer step: bring the accumulated gradient to level OS (``transitions.grads_to_optim``),
+        averaged over all n ranks."""
+        spec, topo = self.spec, self.comm.topology
         if self.pending_reduce is not None:
             self.pending_reduce.wait()
             self.pending_reduce = None
-        if spec.grads == Level.N:
-            if spec.optim == Level.N:
-                self.comm.all_reduce(self.g_full, "global")
-                grad = self.g_full
-            elif spec.optim == Level.I:
-                grad = torch.empty(L // topo.group_size, dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(grad, self.g_full, "intra")
-                self.comm.all_reduce(grad, "inter")
-            else:
-                grad = torch.empty(L // topo.world_size, dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(grad, self.g_full, "global")
-        elif spec.grads == Level.I:
-            if spec.optim == Level.I:
-                self.comm.all_reduce(self.g_shard, "inter")
-                grad = self.g_shard
-            else:
-                grad = torch.empty(L // topo.world_size, dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(grad, self.g_shard, "inter")
-        else:
-            grad = self.g_shard
+        grad = self.g_full if spec.grads == Level.N else self.g_shard
+        ranks = {"intra": topo.group_size, "inter": topo.num_groups, "global": topo.world_size}
+        for c in transitions.grads_to_optim(spec.grads, spec.optim):
+            if c.op == "all_reduce":
+                self.comm.all_reduce(grad, c.scope)
+            else:  # reduce_scatter: this rank's slice of the sum
+                out = torch.empty(grad.numel() // ranks[c.scope], dtype=self.dtype, device=self.device)
+                self.comm.reduce_scatter(out, grad, c.scope)
+                grad = out
         grad.div_(topo.world_size)
         self.master.grad = grad if grad.dtype == self.master.dtype else grad.to(self.master.dtype)
         return self.master.grad
@@ -298,13 +289,8 @@ class FlatGroup:
         if self.master.data_ptr() != own.data_ptr():
             with torch.no_grad():
                 own.copy_(self.master)
-        p, o = self.spec.params, self.spec.optim
-        if p == o:
-            return
-        if p == Level.N:
-            self.pending_param_sync = self.comm.all_gather(self.p_local, own, _SCOPE[o], async_op=True)
-        else:  # G -> I: gather the 1/n sub-blocks of this rank's intra block across its rail
-            self.pending_param_sync = self.comm.all_gather(self.p_local, own, "inter", async_op=True)
+        for c in transitions.optim_to_params(self.spec.optim, self.spec.params):  # one all-gather into p_local
+            self.pending_param_sync = self.comm.all_gather(self.p_local, own, c.scope, async_op=True)
 
     def wait_param_sync(self) -> None:
         if self.pending_param_sync is not None:

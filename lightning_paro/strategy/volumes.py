@@ -1,15 +1,17 @@
 """The PaRO design's volume formulas: traffic per optimizer step and memory per rank, for any strategy.
 
-Figures are per rank and in bytes, for the collectives this engine issues (hierarchical global collectives split
-into their intra and inter phases; ring algorithms: an all-gather or reduce-scatter over k ranks sends (k-1)/k of the
-full tensor, an all-reduce twice that). Pass padded element counts to match the engine exactly.
+Figures are per rank and in bytes, summed over the collectives of the strategy's level transitions
+(``transitions.py``), as this engine issues them (hierarchical global collectives split into their intra and inter
+phases; ring algorithms: an all-gather or reduce-scatter over k ranks sends (k-1)/k of the full tensor, an all-reduce
+twice that). Pass padded element counts to match the engine exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_paro.strategy.levels import Level, ShardingSpec
+from lightning_paro.strategy.levels import ShardingSpec
+from lightning_paro.strategy.transitions import Transition, link_phases, step_transitions
 
 
 @dataclass(frozen=True)
@@ -22,21 +24,28 @@ class Traffic:
     """Over inter-group links."""
 
 
-def _ag(level: Level, S: float, m: int, g: int) -> Traffic:
-    """All-gather of a buffer of S bytes from level ``level`` shards."""
-    if level == Level.N:
-        return Traffic(0, 0)
-    if level == Level.I:
-        return Traffic((m - 1) / m * S, 0)
-    return Traffic((m - 1) / m * S, (g - 1) / g * S / m)
-
-
 def _add(*ts: Traffic) -> Traffic:
     return Traffic(sum(t.intra for t in ts), sum(t.inter for t in ts))
 
 
 def _scale(t: Traffic, k: float) -> Traffic:
     return Traffic(t.intra * k, t.inter * k)
+
+
+def _ring(op: str, ranks: int, nbytes: float) -> float:
+    """Bytes one rank sends in a ring collective over ``ranks`` ranks whose full side is ``nbytes``."""
+    return (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks * nbytes
+
+
+def transition_traffic(transition: Transition, nbytes: float, m: int, g: int) -> Traffic:
+    """What one rank sends for ``transition`` on a buffer of ``nbytes``: each collective split into its link
+    phases, as the communicator runs it."""
+    out = Traffic(0, 0)
+    for c in transition:
+        for p in link_phases(c, m, g):
+            sent = _ring(p.op, m if p.link == "intra" else g, p.fraction * nbytes)
+            out = _add(out, Traffic(sent, 0) if p.link == "intra" else Traffic(0, sent))
+    return out
 
 
 def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, g: int,
@@ -52,48 +61,35 @@ def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float
         gathers: parameter gathers per micro-step: 2 for a unit (before forward and before backward), 1 for the
             root unit, which stays gathered from the start of the forward to the end of the backward.
     """
-    return _step(spec, params_bytes, trainable_bytes, m, g, accumulation, gathers,
-                 lambda level, S: _ag(level, S, m, g))
+    return _step(spec, params_bytes, trainable_bytes, accumulation, gathers,
+                 lambda t, nbytes: transition_traffic(t, nbytes, m, g))
 
 
 def flat_step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, n: int,
                       accumulation: int) -> Traffic:
     """The PaRO paper's accounting: every global collective counted as inter-group traffic of a flat ring."""
-    def vol(level: Level, S: float) -> Traffic:
-        if level == Level.I:
-            return Traffic((m - 1) / m * S, 0)
-        if level == Level.G:
-            return Traffic(0, (n - 1) / n * S)
-        return Traffic(0, 0)
+    g = n // m
 
-    return _step(spec, params_bytes, trainable_bytes, m, n // m, accumulation, 2, vol)
+    def flat(transition: Transition, nbytes: float) -> Traffic:
+        out = Traffic(0, 0)
+        for c in transition:
+            if c.scope == "global":
+                out = _add(out, Traffic(0, _ring(c.op, n, c.full_fraction(m) * nbytes)))
+            else:
+                out = _add(out, transition_traffic((c,), nbytes, m, g))
+        return out
+
+    return _step(spec, params_bytes, trainable_bytes, accumulation, 2, flat)
 
 
-def _step(spec: ShardingSpec, S: float, T: float, m: int, g: int, accumulation: int, gathers: int,
-          vol) -> Traffic:
-    """The volumes of paro.md section 4; ``vol(level, S)`` is what an all-gather (or reduce-scatter) of S bytes
-    from level-``level`` shards sends, which is where the two accountings differ."""
-    P, G, OS = spec.params, spec.grads, spec.optim
-    # Per micro-step: gather P before forward (and before backward); reduce-scatter G after backward.
-    micro = _add(_scale(vol(P, S), gathers), vol(G, T))
-    rail = (g - 1) / g * T / m  # one reduce-scatter or all-gather of a 1/m slice over the rail
-    # Once per step: gradient sync G -> OS.
-    if G == Level.N:
-        syncg = {Level.N: _scale(vol(Level.G, T), 2),  # all-reduce = reduce-scatter + all-gather
-                 Level.I: _add(vol(Level.I, T), Traffic(0, 2 * rail)),
-                 Level.G: vol(Level.G, T)}[OS]
-    elif G == Level.I:
-        syncg = Traffic(0, (2 if OS == Level.I else 1) * rail)
-    else:
-        syncg = Traffic(0, 0)
-    # Parameter sync OS -> P (trainable parameters only: frozen ones never change).
-    if OS == P:
-        syncp = Traffic(0, 0)
-    elif P == Level.N:
-        syncp = vol(OS, T)
-    else:  # G -> I
-        syncp = Traffic(0, rail)
-    return _add(_scale(micro, accumulation), syncg, syncp)
+def _step(spec: ShardingSpec, S: float, T: float, accumulation: int, gathers: int, traffic_of) -> Traffic:
+    """The volumes of paro.md section 4, summed over the strategy's transitions; ``traffic_of(transition, nbytes)``
+    is what a transition of a buffer of that size sends, which is where the two accountings differ. Per micro-step the
+    parameters are gathered ``gathers`` times and the gradient reduced once; per optimizer step the gradient goes
+    G -> OS and the trainable parameters (frozen ones never change) OS -> P."""
+    t = step_transitions(spec)
+    micro = _add(_scale(traffic_of(t["gather_params"], S), gathers), traffic_of(t["reduce_grads"], T))
+    return _add(_scale(micro, accumulation), traffic_of(t["grads_to_optim"], T), traffic_of(t["optim_to_params"], T))
 
 
 def model_state_bytes(spec: ShardingSpec, num_params: float, num_trainable: float, m: int, n: int,

@@ -1,0 +1,121 @@
+"""The level transitions of PaRO-DP: which collectives move a buffer from one level to another.
+
+This is the one place that says it. The engine issues exactly these collectives (``flat.py``), the design's volume
+formulas are summed from them (``volumes.py``) and the cost model times them (``lightning_paro.planner.phases``). A
+transition is a short sequence of :class:`Collective`\\ s; four kinds of buffer change level:
+
+* :func:`gather_params`: the P-level shards of a unit's parameters into the full buffer, before its use;
+* :func:`reduce_grads`: a unit's full local gradient into the G-level accumulator, after its backward;
+* :func:`grads_to_optim`: the accumulated gradient from level G to level OS, once per optimizer step;
+* :func:`optim_to_params`: the updated OS-level shard to level P, once per optimizer step.
+
+Shards are laid out so that every collective is contiguous and I -> G is a view (design, section 3): rank (i, j)
+holds intra block j at level I and sub-block i of it at level G, so a G-level shard is an I-level block reduced or
+gathered over the rail (``inter``) and a global collective is an intra one and a rail one (``link_phases``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_paro.strategy.levels import Level, ShardingSpec
+
+Op = Literal["all_gather", "reduce_scatter", "all_reduce"]
+Scope = Literal["intra", "inter", "global"]
+Link = Literal["intra", "inter"]
+
+SCOPE_OF: dict[Level, Scope] = {Level.I: "intra", Level.G: "global"}
+"""The ranks over which a buffer at this level is sharded."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a transition."""
+
+    op: Op
+    """all_gather, reduce_scatter or all_reduce."""
+    scope: Scope
+    """The ranks it runs over: the rank's group (intra), its rail across groups (inter), or all ranks (global)."""
+    full: Level
+    """The level of its full side (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer): N for
+    the whole buffer, I for one intra block (1/m of it)."""
+
+    def full_fraction(self, group_size: int) -> float:
+        """The full side's share of the whole buffer."""
+        return 1.0 if self.full == Level.N else 1.0 / group_size
+
+
+@dataclass(frozen=True)
+class LinkPhase:
+    """One phase of a collective over one link class (a global collective has two or three)."""
+
+    op: Op
+    link: Link
+    fraction: float
+    """The phase's full side as a share of the whole buffer."""
+
+
+Transition = tuple[Collective, ...]
+
+
+def gather_params(params: Level) -> Transition:
+    """P-level shards -> the full parameters (before a unit's forward, and its backward)."""
+    return () if params == Level.N else (Collective("all_gather", SCOPE_OF[params], Level.N),)
+
+
+def reduce_grads(grads: Level) -> Transition:
+    """A unit's full local gradient -> its G-level accumulator (after the unit's backward; nothing at G = N, where
+    autograd accumulates into the full gradient)."""
+    return () if grads == Level.N else (Collective("reduce_scatter", SCOPE_OF[grads], Level.N),)
+
+
+def grads_to_optim(grads: Level, optim: Level) -> Transition:
+    """The accumulated gradient at level G -> level OS, summed over every rank (once per optimizer step)."""
+    if grads == Level.N:
+        if optim == Level.N:
+            return (Collective("all_reduce", "global", Level.N),)
+        if optim == Level.I:
+            return (Collective("reduce_scatter", "intra", Level.N), Collective("all_reduce", "inter", Level.I))
+        return (Collective("reduce_scatter", "global", Level.N),)
+    if grads == Level.I:
+        # the group has reduced its own contributions: the rail adds the other groups'
+        if optim == Level.I:
+            return (Collective("all_reduce", "inter", Level.I),)
+        return (Collective("reduce_scatter", "inter", Level.I),)
+    return ()  # G = G: the reduce-scatter of every micro-step summed over all ranks already
+
+
+def optim_to_params(optim: Level, params: Level) -> Transition:
+    """The updated OS-level shard -> the P-level parameters (once per optimizer step, after the update)."""
+    if params == optim:
+        return ()
+    if params == Level.N:
+        return (Collective("all_gather", SCOPE_OF[optim], Level.N),)
+    return (Collective("all_gather", "inter", Level.I),)  # G -> I: the sub-blocks of this rank's block, over its rail
+
+
+def step_transitions(spec: ShardingSpec) -> dict[str, Transition]:
+    """Every transition of ``spec`` by name: what a strategy is, as traffic."""
+    return {"gather_params": gather_params(spec.params), "reduce_grads": reduce_grads(spec.grads),
+            "grads_to_optim": grads_to_optim(spec.grads, spec.optim),
+            "optim_to_params": optim_to_params(spec.optim, spec.params)}
+
+
+def link_phases(c: Collective, group_size: int, num_groups: int) -> tuple[LinkPhase, ...]:
+    """``c`` as phases over one link class each, the way the communicator runs it: a global all-gather is a rail
+    all-gather of this rank's intra block then an intra all-gather, a global reduce-scatter the reverse, a global
+    all-reduce an intra reduce-scatter, a rail all-reduce of the block and an intra all-gather. Phases over one rank
+    (m = 1 or g = 1) move nothing and are left out."""
+    f, m = c.full_fraction(group_size), group_size
+    if c.scope != "global":
+        phases = (LinkPhase(c.op, c.scope, f),)
+    elif c.op == "all_gather":
+        phases = (LinkPhase("all_gather", "inter", f / m), LinkPhase("all_gather", "intra", f))
+    elif c.op == "reduce_scatter":
+        phases = (LinkPhase("reduce_scatter", "intra", f), LinkPhase("reduce_scatter", "inter", f / m))
+    else:
+        phases = (LinkPhase("reduce_scatter", "intra", f), LinkPhase("all_reduce", "inter", f / m),
+                  LinkPhase("all_gather", "intra", f))
+    ranks = {"intra": group_size, "inter": num_groups}
+    return tuple(p for p in phases if ranks[p.link] > 1)

@@ -1,0 +1,116 @@
+"""The level-transition table is the one source of the strategies' collectives: the engine issues exactly its
+collectives, the volume formulas are its bytes, and the cost model's phases are its phases, for all 14 strategies.
+
+The engine's view is read off a :class:`FlatGroup` driven through one optimizer step against a recording
+communicator (rank 0 of 2 groups of 2; nothing is sent); the measured traffic of real runs is checked against the
+formulas in test_parity.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_paro.comm.topology import Topology
+from lightning_paro.planner.inputs import Cluster, Link
+from lightning_paro.planner.phases import grad_sync_phases, gather_phases, param_sync_phases, reduce_scatter_phases
+from lightning_paro.strategy import transitions
+from lightning_paro.strategy.flat import FlatGroup
+from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
+from lightning_paro.strategy.volumes import step_traffic
+
+M, G = 2, 2
+NUMEL = 64  # a multiple of n: no padding, so bytes compare exactly
+
+
+class RecordingComm:
+    """The calls a FlatGroup makes, as (op, scope, full-side numel); no data moves."""
+
+    def __init__(self) -> None:
+        self.topology = Topology(world_size=M * G, group_size=M, rank=0)
+        self.calls: list[tuple[str, str, int]] = []
+
+    def all_gather(self, out, shard, scope, async_op=False):
+        self.calls.append(("all_gather", scope, out.numel()))
+
+    def reduce_scatter(self, out, full, scope, async_op=False):
+        self.calls.append(("reduce_scatter", scope, full.numel()))
+
+    def all_reduce(self, tensor, scope, async_op=False):
+        self.calls.append(("all_reduce", scope, tensor.numel()))
+
+    def submit(self, fn, *args, **kwargs):
+        fn()
+
+
+def _engine_calls(spec: ShardingSpec) -> dict[str, list[tuple[str, str, int]]]:
+    comm = RecordingComm()
+    param = nn.Parameter(torch.randn(NUMEL))
+    flat = FlatGroup([("w", param)], trainable=True, spec=spec, comm=comm)
+    seen = {}
+
+    def run(name, fn):
+        comm.calls = []
+        fn()
+        seen[name] = comm.calls
+
+    run("gather_params", lambda: flat.gather_params(async_op=False))
+    flat.prepare_grads()
+    (param * 2).sum().backward()
+    run("reduce_grads", flat.reduce_grads)
+    run("grads_to_optim", flat.sync_grads)
+    run("optim_to_params", flat.sync_params)
+    return seen
+
+
+def _table_calls(t: transitions.Transition) -> list[tuple[str, str, int]]:
+    return [(c.op, c.scope, int(NUMEL * c.full_fraction(M))) for c in t]
+
+
+@pytest.mark.parametrize("name", VALID_STRATEGIES)
+def test_the_engine_the_formulas_and_the_cost_model_read_one_table(name):
+    spec = ShardingSpec.parse(name)
+    table = transitions.step_transitions(spec)
+
+    # 1. the engine issues exactly the table's collectives
+    engine = _engine_calls(spec)
+    assert engine == {k: _table_calls(t) for k, t in table.items()}
+
+    # 2. the volume formula is the table's bytes: gathers per micro-step, reduction, the two syncs
+    nbytes = 4.0 * NUMEL
+    ring = {"intra": M, "inter": G}
+    sent = {"intra": 0.0, "inter": 0.0}
+    count = {"gather_params": 2, "reduce_grads": 1, "grads_to_optim": 1, "optim_to_params": 1}
+    for key, t in table.items():
+        for c in t:
+            for p in transitions.link_phases(c, M, G):
+                k = ring[p.link]
+                factor = 2 if p.op == "all_reduce" else 1
+                sent[p.link] += count[key] * factor * (k - 1) / k * p.fraction * nbytes
+    formula = step_traffic(spec, nbytes, nbytes, M, G, accumulation=1)
+    assert (formula.intra, formula.inter) == pytest.approx((sent["intra"], sent["inter"]))
+
+    # 3. the cost model times the table's phases
+    cluster = Cluster(M * G, M, Link(1e9), Link(1e8), device_memory=1e12)
+    modelled = {"gather_params": gather_phases(spec.params, nbytes, cluster),
+                "reduce_grads": reduce_scatter_phases(spec.grads, nbytes, cluster),
+                "grads_to_optim": grad_sync_phases(spec, nbytes, cluster),
+                "optim_to_params": param_sync_phases(spec, nbytes, cluster)}
+    for key, t in table.items():
+        phases = [p for c in t for p in transitions.link_phases(c, M, G)]
+        assert [(p.op, p.scope, p.nbytes) for p in modelled[key]] == [
+            (p.op, p.link, p.fraction * nbytes) for p in phases], key
+
+
+def test_every_level_change_has_one_entry():
+    """Each transition is empty exactly when the levels do not change, and the G -> OS sync sums once over every
+    rank: the scopes it crosses, with the G level's own, cover the whole world."""
+    for p in Level:
+        assert (transitions.gather_params(p) == ()) == (p == Level.N)
+        assert (transitions.reduce_grads(p) == ()) == (p == Level.N)
+    for name in VALID_STRATEGIES:
+        s = ShardingSpec.parse(name)
+        assert (transitions.optim_to_params(s.optim, s.params) == ()) == (s.optim == s.params)
+        scopes = {transitions.SCOPE_OF.get(s.grads)} | {c.scope for c in transitions.grads_to_optim(s.grads, s.optim)}
+        assert "global" in scopes or {"intra", "inter"} <= scopes, name
