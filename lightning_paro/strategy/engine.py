@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_paro.comm.collectives import CommHandle, Communicator
 from lightning_paro.strategy.flat import FlatGroup, GatherMeter
 from lightning_paro.strategy.levels import Level, ShardingSpec
+from lightning_paro.strategy.transitions import SCOPE_OF
 from lightning_paro.strategy.units import UnitPolicy, find_units
 
 ROOT = "<root>"
@@ -398,7 +399,7 @@ class PaROEngine:
         for g in grads:
             sq += g.detach().float().pow(2).sum()
         if self.spec.optim != Level.N:
-            self.comm.scalar_all_reduce(sq, "global" if self.spec.optim == Level.G else "intra")
+            self.comm.scalar_all_reduce(sq, SCOPE_OF[self.spec.optim])
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + eps), max=1.0)
         for g in grads:
@@ -535,7 +536,7 @@ class PaROEngine:
         return int(flag.item())
 
     def _eval_scope(self) -> str:
-        return "global" if self.spec.params == Level.G else "intra"
+        return SCOPE_OF[self.spec.params]
 
     def _eval_scope_size(self) -> int:
         topo = self.comm.topology
