@@ -263,7 +263,18 @@ def step_terms(spec: ShardingSpec, workload: Workload, cluster: Cluster, compute
 
 
 def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: int = 1) -> Memory:
-    """Predicted per-rank memory of ``spec``: model states (``volumes.model_state_bytes``) plus what is in flight."""
+    """Predicted per-rank memory of ``spec``: model states (``volumes.model_state_bytes``) plus what is in flight at
+    the peak, early in the backward, where the engine holds (derived from its schedule, checked against measured peaks
+    by ``bench/train/memory.py``):
+
+    * P != N: the root unit's gathered parameters (gathered for the whole micro-step) and ``1 + prefetch`` units'
+      (the one computing and those prefetched);
+    * G != N: the root unit's gradients (autograd fills them during the backward) and two units' worth: a unit's
+      gradients as autograd computes them plus their flat copy for the reduction (the previous unit's reduction is
+      waited for before the copy, so no more are in flight).
+
+    The backend's staging of a collective is one HO-Ring chunk (on the CPU flat collectives go in pieces of that
+    size) and is left out."""
     m, n = cluster.group_size, cluster.world_size
     states = model_state_bytes(spec, workload.num_params, workload.num_trainable, m, n,
                                param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
@@ -274,7 +285,6 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
     if spec.params != Level.N:
         transient += split.root_params + in_flight * split.unit_params
     if spec.grads != Level.N:
-        # the unit computing its gradient and the previous one still being reduce-scattered
         transient += split.root_trainable + min(workload.num_units, 2) * split.unit_trainable
     return Memory(params=states["params"], grads=states["grads"], optim=states["optim"], transient=transient,
                   activations=workload.activation_bytes_per_token * workload.tokens_per_micro_batch)
