@@ -3,7 +3,6 @@ beyond seeding (build_model)."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Sequence
@@ -13,7 +12,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_paro import VALID_STRATEGIES, PaROStrategy
-from lightning_paro.planner import AutoConfig, Link
 from lightning_paro.cli import targets
 from lightning_paro.cli.compose import world_size
 from lightning_paro.cli.progress import StepProgressBar
@@ -77,32 +75,12 @@ def _nothing() -> None:
     return None
 
 
-def _units(names: Any) -> Any:
-    if names == "auto":
-        return "auto"
-    classes = []
-    for dotted in names:
-        module_name, _, class_name = dotted.rpartition(".")
-        try:
-            classes.append(getattr(importlib.import_module(module_name), class_name))
-        except (ImportError, AttributeError, ValueError):
-            raise ConfigError("strategy.units", f"cannot import {dotted!r}; give dotted module class names") from None
-    return classes
-
-
 def build_strategy(cfg: Config) -> Strategy:
     """The strategy object the ``strategy`` group describes."""
     s = cfg.strategy
     timeout = timedelta(seconds=s.timeout_s)
     if isinstance(s, ParoStrategyConfig):
-        sharding = s.sharding.upper() if s.sharding.upper() in VALID_STRATEGIES else s.sharding
-        auto = AutoConfig(memory_budget=s.memory_budget, micro_step_seconds=s.micro_step_seconds,
-                          intra=Link.gbit(s.intra_gbps, overlap=s.intra_overlap) if s.intra_gbps else None,
-                          inter=Link.gbit(s.inter_gbps, overlap=s.inter_overlap) if s.inter_gbps else None)
-        return PaROStrategy(sharding=sharding, group_size=s.group_size, units=_units(s.units), auto=auto,
-                            prefetch=s.prefetch, chunk_bytes=s.chunk_bytes, log_traffic=s.log_traffic,
-                            state_dict_type=s.state_dict_type, gather=s.gather, start_method=s.start_method,
-                            process_group_backend=s.process_group_backend, timeout=timeout)
+        return PaROStrategy(**s.to_options().as_kwargs())
     if isinstance(s, DDPStrategyConfig):
         return DDPStrategy(start_method=s.start_method, find_unused_parameters=s.find_unused_parameters,
                            process_group_backend=s.process_group_backend, timeout=timeout)

@@ -18,7 +18,7 @@ import inspect
 import os
 import re
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -32,16 +32,17 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from lightning_paro.cli import targets
 from lightning_paro.cli.schema import (
     BACKENDS,
-    START_METHODS,
     STRATEGY_SCHEMAS,
     TARGET_GROUPS,
     BenchConfig,
     Config,
     ConfigError,
+    ParoStrategyConfig,
     PredictConfig,
     RunConfig,
+    strategy_errors,
 )
-from lightning_paro.strategy.levels import VALID_STRATEGIES
+from lightning_paro.strategy.options import PaROOptions
 
 PACKAGE_CONFIG_MODULE = "lightning_paro.conf"
 """The package holding the config tree (``conf/`` in the repository, mapped into the wheel)."""
@@ -418,70 +419,24 @@ def check_targets(cfg: Config) -> None:
 
 def _check_strategy(cfg: Config) -> None:
     s, world = cfg.strategy, world_size(cfg.trainer)
-    if getattr(s, "process_group_backend", None) not in BACKENDS:
+    if s.process_group_backend not in BACKENDS:
         raise ConfigError("strategy.process_group_backend", f"{s.process_group_backend!r} is not gloo, nccl or null")
-    if s.timeout_s <= 0:
-        raise ConfigError("strategy.timeout_s", f"{s.timeout_s} must be positive")
-    if hasattr(s, "start_method") and s.start_method not in START_METHODS:
-        raise ConfigError("strategy.start_method", f"{s.start_method!r} is not one of {', '.join(START_METHODS)}")
-    if s.name == "paro":
-        if not isinstance(s.sharding, str) or (s.sharding.upper() not in VALID_STRATEGIES
-                                               and not _strategy_accepts_sharding(s.sharding)):
-            raise ConfigError(
-                "strategy.sharding",
-                f"{s.sharding!r} is not a PaRO strategy; use one of {', '.join(VALID_STRATEGIES)}"
-                " (letters for parameters, gradients, optimizer states; optimizer states at least as sharded)",
-            )
-        if s.state_dict_type not in ("full", "sharded"):
-            raise ConfigError("strategy.state_dict_type", f"{s.state_dict_type!r} is not full or sharded")
-        if s.gather not in ("auto", "full", "sharded"):
-            raise ConfigError("strategy.gather", f"{s.gather!r} is not auto, full or sharded")
-        if s.prefetch < 0:
-            raise ConfigError("strategy.prefetch", f"{s.prefetch} must be 0 (no prefetch) or more")
-        names = isinstance(s.units, list) and s.units and all(isinstance(u, str) for u in s.units)
-        if not (s.units == "auto" or names):
-            raise ConfigError("strategy.units", f"{s.units!r} must be auto or a list of dotted module class names")
+    if isinstance(s, ParoStrategyConfig):
+        s.to_options()  # every PaRO option, checked by the library
         if str(cfg.trainer.get("precision")) == "16-mixed":
             raise ConfigError("trainer.precision", "16-mixed is refused by PaRO (per-shard inf checks); use bf16-mixed")
-        if not s.memory_budget > 0:
-            raise ConfigError("strategy.memory_budget",
-                              f"{s.memory_budget} must be a share of memory in (0, 1] or a number of bytes above 1")
-        if s.micro_step_seconds is not None and s.micro_step_seconds < 0:
-            raise ConfigError("strategy.micro_step_seconds", f"{s.micro_step_seconds} must be 0 or more, or null")
-        for key in ("intra_gbps", "inter_gbps"):
-            value = getattr(s, key)
-            if value is not None and not value > 0:
-                raise ConfigError(f"strategy.{key}", f"{value} must be a positive bandwidth in Gbit/s, or null")
-        for key in ("intra_overlap", "inter_overlap"):
-            value = getattr(s, key)
-            if not 0 <= value <= 1:
-                raise ConfigError(f"strategy.{key}", f"{value} must be a share in [0, 1] of a transfer hidden behind"
-                                  " compute (1 for GPUs with NVLink and NICs, 0 where transfers take the CPU)")
-        if (s.intra_gbps is None) != (s.inter_gbps is None):
-            raise ConfigError("strategy.inter_gbps" if s.inter_gbps is None else "strategy.intra_gbps",
-                              "give both strategy.intra_gbps and strategy.inter_gbps to skip the link probe, or"
-                              " neither")
-    if getattr(s, "group_size", None) is not None:
-        if isinstance(s.group_size, bool) or s.group_size < 1:
-            raise ConfigError("strategy.group_size", f"{s.group_size} must be a positive number of ranks, or null")
-        if world is not None and world % s.group_size:
-            divisors = [str(k) for k in range(1, world + 1) if world % k == 0]
-            raise ConfigError(
-                "strategy.group_size",
-                f"{s.group_size} does not divide the world size trainer.devices * trainer.num_nodes ="
-                f" {_devices(cfg.trainer)} * {cfg.trainer.get('num_nodes', 1)} = {world}; use one of {', '.join(divisors)}",
-            )
-
-
-def _strategy_accepts_sharding(value: str) -> bool:
-    """Whether PaROStrategy takes a sharding beyond the 14 letter codes (such as a planner's "auto")."""
-    from lightning_paro import PaROStrategy
-
-    try:
-        PaROStrategy(sharding=value)  # only stores its arguments; nothing is started
-    except (ValueError, TypeError):
-        return False
-    return True
+    else:  # the options DDP and FSDP2 share with PaRO follow its rules
+        shared = {key: getattr(s, key) for key in ("group_size", "start_method") if hasattr(s, key)}
+        with strategy_errors():
+            PaROOptions(**shared, timeout=timedelta(seconds=s.timeout_s))
+    group_size = getattr(s, "group_size", None)
+    if group_size is not None and world is not None and world % group_size:
+        divisors = [str(k) for k in range(1, world + 1) if world % k == 0]
+        raise ConfigError(
+            "strategy.group_size",
+            f"{group_size} does not divide the world size trainer.devices * trainer.num_nodes ="
+            f" {_devices(cfg.trainer)} * {cfg.trainer.get('num_nodes', 1)} = {world}; use one of {', '.join(divisors)}",
+        )
 
 
 def check_launch_environment(cfg: Config, environ: Optional[dict] = None) -> None:

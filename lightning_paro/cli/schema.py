@@ -2,7 +2,8 @@
 
 Two kinds of node: the ``strategy`` node and the command settings (``predict``, ``bench``, ``run``) are frozen
 dataclasses, merged with what Hydra composed (unknown keys and wrong types are refused by OmegaConf) and then checked
-for values no type can express (a sharding that does not exist, a group size that does not divide the world). The
+for values no type can express (a sharding that does not exist, a group size that does not divide the world); the
+PaRO strategy node takes its defaults and its checks from the library's ``PaROOptions``. The
 ``model``, ``data``, ``callbacks`` and ``logger`` nodes are ``_target_`` nodes built with ``hydra.utils.instantiate``,
 checked against the signature of the class they name, and ``trainer`` is a dict of ``lightning.Trainer`` arguments.
 Every refusal is a :class:`ConfigError` naming the key.
@@ -11,8 +12,16 @@ Every refusal is a :class:`ConfigError` naming the key.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Iterator, Optional
+
+from lightning_paro.planner import AutoConfig, Link
+from lightning_paro.strategy.options import OptionError, PaROOptions
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; ``key`` is its dotted name, the message says what to do."""
@@ -24,52 +33,121 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------- strategy
+LIBRARY = PaROOptions()
+"""PaROStrategy's own defaults (:class:`~lightning_paro.strategy.options.PaROOptions`): the strategy node's
+defaults, except the two below."""
+AUTO = LIBRARY.auto_config
+"""The defaults of ``sharding="auto"``'s options."""
+CLI_SHARDING = "IIG"
+"""The command line's sharding rather than the library's "auto": IIG starts at once, with no start-up link probe
+(strategy.sharding=auto asks for the plan)."""
+CLI_STATE_DICT_TYPE = "full"
+"""The command line's checkpoints rather than the library's "sharded": one file, which torch.load and
+LightningModule.load_from_checkpoint open in one process (predict reads both kinds)."""
+_CLI_KEYS = {"timeout": "timeout_s"}
+"""PaROOptions fields the strategy node names differently."""
+
+
+@contextmanager
+def strategy_errors() -> Iterator[None]:
+    """An option the library refuses (:class:`OptionError`) as a ConfigError naming its key ``strategy.<key>``."""
+    try:
+        yield
+    except OptionError as err:
+        raise ConfigError(f"strategy.{_CLI_KEYS.get(err.option, err.option)}", str(err)) from None
+
+
 @dataclass(frozen=True)
 class ParoStrategyConfig:
-    """``lightning_paro.PaROStrategy``: PaRO-DP sharding of parameters, gradients and optimizer states."""
+    """``lightning_paro.PaROStrategy``: PaRO-DP sharding of parameters, gradients and optimizer states.
+
+    Each key is an option of :class:`~lightning_paro.strategy.options.PaROOptions` (or of ``AutoConfig``, for
+    ``sharding=auto``), which documents it, gives its default and checks it (:meth:`to_options`); only the form a
+    command line can give differs, as noted.
+    """
 
     name: str = "paro"
     """Which strategy schema this node uses (set by the config file; selects the strategy class)."""
-    sharding: str = "IIG"
-    """Three letters (N, I or G) for parameters, gradients and optimizer states (one of the 14 valid strategies), or
-    auto. The command line defaults to IIG, which starts at once; PaROStrategy's own default is auto, which probes
-    the links at start-up and picks one."""
-    group_size: Optional[int] = None
-    """Ranks per group (m); must divide trainer.devices * trainer.num_nodes. null: the processes per node."""
-    units: Any = "auto"
-    """Blocks gathered and freed together: "auto" (the repeated blocks) or a list of dotted module class names."""
-    prefetch: int = 1
-    """Units gathered ahead of the one computing (0: no prefetch)."""
-    chunk_bytes: Optional[int] = None
-    """Pipeline chunk of the HO-Ring collectives between groups, in bytes; null: 2 MiB (sharding=auto: sized by the
-    cost model to the probed links)."""
-    memory_budget: float = 0.7
-    """sharding=auto: share of a rank's memory (at most 1) or bytes (above 1) the chosen strategy may use."""
-    micro_step_seconds: Optional[float] = None
-    """sharding=auto: compute time of one micro-step, if known (lets the plan count overlap); null: none assumed."""
+    sharding: str = CLI_SHARDING
+    """PaROOptions.sharding; IIG by default here (:data:`CLI_SHARDING`)."""
+    group_size: Optional[int] = LIBRARY.group_size
+    """PaROOptions.group_size; must also divide trainer.devices * trainer.num_nodes."""
+    units: Any = LIBRARY.units
+    """PaROOptions.units: "auto" or a list of dotted module class names."""
+    prefetch: int = LIBRARY.prefetch
+    """PaROOptions.prefetch."""
+    chunk_bytes: Optional[int] = LIBRARY.chunk_bytes
+    """PaROOptions.chunk_bytes."""
+    memory_budget: float = AUTO.memory_budget
+    """AutoConfig.memory_budget: share of a rank's memory (at most 1) or bytes (above 1) the strategy may use."""
+    micro_step_seconds: Optional[float] = AUTO.micro_step_seconds
+    """AutoConfig.micro_step_seconds: compute time of one micro-step, if known."""
     intra_gbps: Optional[float] = None
-    """sharding=auto: intra-group bandwidth per rank in Gbit/s; null: measured at start-up (with inter_gbps)."""
+    """AutoConfig.intra's bandwidth per rank in Gbit/s; null: measured at start-up (give both or neither)."""
     inter_gbps: Optional[float] = None
-    """sharding=auto: inter-group bandwidth per rank in Gbit/s; null: measured at start-up (with intra_gbps)."""
-    intra_overlap: float = 1.0
-    """sharding=auto with given bandwidths: share of an intra-group transfer that hides behind compute (1: NVLink)."""
-    inter_overlap: float = 1.0
-    """sharding=auto with given bandwidths: share of an inter-group transfer that hides behind compute (1: a NIC)."""
-    log_traffic: bool = True
-    """Log paro/intra_bytes and paro/inter_bytes per optimizer step to the Trainer's loggers."""
-    state_dict_type: str = "full"
-    """Checkpoints as one consolidated file (full) or a directory of per-rank shards (sharded). The command line
-    writes full files by default, which torch.load and LightningModule.load_from_checkpoint open in one process;
-    PaROStrategy's own default is sharded."""
-    gather: str = "auto"
-    """Evaluation and the module after fit: full (gather the whole model), sharded (one unit at a time; the module
-    stays sharded after fit) or auto (full when the whole model fits half the free memory)."""
-    start_method: str = "popen"
-    """How the processes start: popen (Lightning's subprocess launcher), spawn, fork or forkserver."""
-    process_group_backend: Optional[str] = None
-    """gloo or nccl; null: the device's default."""
-    timeout_s: float = 1800.0
-    """Collective timeout in seconds."""
+    """AutoConfig.inter's bandwidth per rank in Gbit/s; null: measured at start-up (give both or neither)."""
+    intra_overlap: float = Link(1.0).overlap
+    """With given bandwidths: the intra-group Link's overlap, the share of a transfer hidden behind compute."""
+    inter_overlap: float = Link(1.0).overlap
+    """With given bandwidths: the inter-group Link's overlap."""
+    log_traffic: bool = LIBRARY.log_traffic
+    """PaROOptions.log_traffic."""
+    state_dict_type: str = CLI_STATE_DICT_TYPE
+    """PaROOptions.state_dict_type; full by default here (:data:`CLI_STATE_DICT_TYPE`)."""
+    gather: str = LIBRARY.gather
+    """PaROOptions.gather: auto, full or sharded."""
+    start_method: str = LIBRARY.start_method
+    """PaROOptions.start_method."""
+    process_group_backend: Optional[str] = LIBRARY.process_group_backend
+    """PaROOptions.process_group_backend: gloo, nccl or null."""
+    timeout_s: float = LIBRARY.timeout.total_seconds()
+    """PaROOptions.timeout, in seconds."""
+
+    def to_options(self) -> PaROOptions:
+        """The library's options for this node, checked there; a value they refuse is a ConfigError naming its key
+        (unit classes are imported here)."""
+        if (self.intra_gbps is None) != (self.inter_gbps is None):
+            raise ConfigError("strategy.inter_gbps" if self.inter_gbps is None else "strategy.intra_gbps",
+                              "give both strategy.intra_gbps and strategy.inter_gbps to skip the link probe, or"
+                              " neither")
+        with strategy_errors():
+            auto = AutoConfig(memory_budget=self.memory_budget, micro_step_seconds=self.micro_step_seconds,
+                              intra=self._link("intra"), inter=self._link("inter"))
+            return PaROOptions(sharding=self.sharding, group_size=self.group_size, units=_unit_classes(self.units),
+                               prefetch=self.prefetch, chunk_bytes=self.chunk_bytes, log_traffic=self.log_traffic,
+                               auto=auto, state_dict_type=self.state_dict_type, gather=self.gather,
+                               start_method=self.start_method, process_group_backend=self.process_group_backend,
+                               timeout=timedelta(seconds=self.timeout_s))
+
+    def _link(self, side: str) -> Optional[Link]:
+        """The given link of one side (None: the probe measures it); Link checks the overlap even without one."""
+        gbps, overlap = getattr(self, f"{side}_gbps"), getattr(self, f"{side}_overlap")
+        try:
+            Link(math.inf, overlap=overlap)
+        except ValueError as err:
+            raise ConfigError(f"strategy.{side}_overlap", str(err)) from None
+        if gbps is None:
+            return None
+        try:
+            return Link.gbit(gbps, overlap=overlap)
+        except ValueError as err:
+            raise ConfigError(f"strategy.{side}_gbps", f"{gbps} Gbit/s: {err}") from None
+
+
+def _unit_classes(names: Any) -> Any:
+    """strategy.units as PaROOptions.units: "auto", or the module classes the dotted names import."""
+    if names == "auto":
+        return "auto"
+    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
+        raise ConfigError("strategy.units", f"{names!r} must be auto or a list of dotted module class names")
+    classes = []
+    for dotted in names:
+        module_name, _, class_name = dotted.rpartition(".")
+        try:
+            classes.append(getattr(importlib.import_module(module_name), class_name))
+        except (ImportError, AttributeError, ValueError):
+            raise ConfigError("strategy.units", f"cannot import {dotted!r}; give dotted module class names") from None
+    return classes
 
 
 @dataclass(frozen=True)
@@ -116,8 +194,8 @@ STRATEGY_SCHEMAS: dict[str, type] = {
 }
 """``strategy.name`` -> the dataclass that checks that node."""
 
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = (None, "gloo", "nccl")
+"""The backends the command line offers (PaROStrategy itself keeps any backend string as given)."""
 
 
 # ---------------------------------------------------------------------------------------------------- the rest

@@ -18,11 +18,13 @@ from lightning_paro.planner.inputs import Cluster, Compute, Link
 from lightning_paro.planner.memory import agreed_minimum, device_memory_bytes
 from lightning_paro.planner.probe import probe_links
 from lightning_paro.planner.workload import workload_from_module
+from lightning_paro.strategy.options import OptionError, is_count
 
 
 @dataclass(frozen=True)
 class AutoConfig:
-    """Options of ``sharding="auto"``; every measurement can be replaced by a given figure."""
+    """Options of ``sharding="auto"``; every measurement can be replaced by a given figure. Validated when created:
+    a value that cannot work is an :class:`~lightning_paro.strategy.options.OptionError` naming the option."""
 
     memory_budget: float = DEFAULT_MEMORY_BUDGET
     """Fraction of a rank's memory (<= 1) or bytes (> 1) for model states, in-flight buffers, declared activations."""
@@ -48,6 +50,31 @@ class AutoConfig:
     """Reduce-scatter time over all-gather time; None: measured by the probe when it runs, else 1."""
     hierarchical_factor: float | None = None
     """HO-Ring phase time over the backend's collective on the same link; None: measured by the probe, else 1."""
+
+    def __post_init__(self) -> None:
+        budget = self.memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+            raise OptionError("memory_budget", f"memory_budget must be a share of a rank's memory in (0, 1] or a"
+                                               f" number of bytes above 1, got {budget!r}.")
+        for name in ("intra", "inter"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Link):
+                raise OptionError(name, f"{name} must be a Link (bandwidth, latency, overlap), or None to measure it"
+                                        f" at start-up; got {getattr(self, name)!r}.")
+        if self.micro_step_seconds is not None and not self.micro_step_seconds >= 0:
+            raise OptionError("micro_step_seconds", f"micro_step_seconds must be 0 or more, or None (not known); got"
+                                                    f" {self.micro_step_seconds!r}.")
+        for name in ("device_memory", "flops_per_second", "reduce_scatter_factor", "hierarchical_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise OptionError(name, f"{name} must be positive, or None to measure or leave it out; got {value!r}.")
+        for name in ("tokens_per_micro_batch", "activation_bytes_per_token"):
+            if not getattr(self, name) >= 0:
+                raise OptionError(name, f"{name} must be 0 or more, got {getattr(self, name)!r}.")
+        if not self.memory_bandwidth > 0:
+            raise OptionError("memory_bandwidth", f"memory_bandwidth must be positive bytes/s, got"
+                                                  f" {self.memory_bandwidth!r}.")
+        if not is_count(self.probe_bytes, 1):
+            raise OptionError("probe_bytes", f"probe_bytes must be a positive number of bytes, got {self.probe_bytes!r}.")
 
 
 def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: int, ranks_on_host: int,

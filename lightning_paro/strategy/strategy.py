@@ -6,7 +6,7 @@ import atexit
 import logging
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -14,7 +14,6 @@ from typing import Any, Callable, Generator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
@@ -47,91 +46,54 @@ from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memo
 from lightning_paro.strategy import checkpoint as ckpt
 from lightning_paro.strategy.engine import Mode, PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
+from lightning_paro.strategy.options import GatherConfig, GatherMode, PaROOptions
 from lightning_paro.strategy.precision import to_paro_precision
 from lightning_paro.strategy.report import StepTraffic, format_summary
 from lightning_paro.strategy.units import UnitPolicy
 
 log = logging.getLogger(__name__)
 
-GatherMode = Literal["auto", "full", "sharded"]
-
-
-@dataclass(frozen=True)
-class GatherConfig:
-    """When the strategy holds the whole model gathered on every rank (P = I or G; with P = N it always does)."""
-
-    evaluation: GatherMode = "auto"
-    """validate, test, predict: "full" gathers every unit once per stage, "sharded" one unit at a time as in training,
-    "auto" in full when the full parameters fit ``memory_fraction`` of the free memory."""
-    after_fit: GatherMode = "auto"
-    """The module after fit: "full" hands it back with full parameters, "sharded" leaves them sharded (read the
-    weights through a checkpoint or ``export_full_state_dict``), "auto" full when they fit."""
-    memory_fraction: float = 0.5
-    """"auto": the share of free device memory (CPU: the rank's share of available host memory) the full parameters
-    may take."""
-
-    def __post_init__(self) -> None:
-        for name in ("evaluation", "after_fit"):
-            if getattr(self, name) not in ("auto", "full", "sharded"):
-                raise ValueError(f"GatherConfig.{name} must be 'auto', 'full' or 'sharded', got"
-                                 f" {getattr(self, name)!r}.")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"GatherConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}.")
+_DEFAULT = PaROOptions()
 
 
 class PaROStrategy(ParallelStrategy):
     """PaRO-DP: parameters, gradients and optimizer states each unsharded (N), sharded in the node group (I) or
     sharded globally (G).
 
-    Args:
-        sharding: three letters for P, G and OS, e.g. ``"IIG"``; one of the 14 valid strategies, or ``"auto"``
-            (default): at start-up, measure the links, read the device memory, and pick the fastest strategy that
-            fits according to the cost model (the candidate table is logged and kept in ``auto_plan``).
-        group_size: ranks per group (m). Defaults to the processes per node.
-        units: which submodules are gathered and freed together: ``"auto"`` (the repeated blocks), a list of module
-            classes, or a predicate ``(name, module) -> bool``.
-        prefetch: how many units ahead to gather while the current one computes (0: no prefetch).
-        chunk_bytes: pipeline chunk of the HO-Ring collectives that span groups, in bytes of the full buffer
-            (``None``: 2 MiB, the measured default; with ``sharding="auto"`` the chunk the cost model predicts
-            fastest for the probed links, at least 2 MiB).
-        log_traffic: log ``paro/intra_bytes`` and ``paro/inter_bytes`` per optimizer step to the Trainer's loggers.
-        auto: options of ``sharding="auto"`` (memory budget, given link bandwidths, compute time per micro-step).
-        state_dict_type: ``"sharded"`` (default): checkpoints are directories written by every rank through
-            ``torch.distributed.checkpoint``, loadable at another world size, group size or strategy; ``"full"``: one
-            consolidated file, loadable by ``LightningModule.load_from_checkpoint`` and by ``"ddp"``.
-        start_method: ``"popen"`` (Lightning's subprocess launcher, like ``"ddp"``), ``"spawn"``, ``"fork"`` or
-            ``"forkserver"``.
-        process_group_backend: kept as given; by default the device's backend, with gloo beside it for CPU tensors on
-            an accelerator (``"cuda:nccl,cpu:gloo"``), plain gloo on CPU.
-        timeout: how long a collective waits for its peers; every group the strategy creates gets it. When a
-            collective fails (a peer raised, died, or stopped issuing collectives for this long), every surviving rank
-            raises :class:`~lightning_paro.comm.collectives.CollectiveError` naming the operation and scope.
-        gather: whether evaluation and the module after fit hold the whole model gathered: a
-            :class:`GatherConfig`, or ``"auto"`` (default: full when it fits the memory), ``"full"`` or ``"sharded"``
-            for both.
+    The PaRO arguments are the fields of :class:`~lightning_paro.strategy.options.PaROOptions`, which documents each
+    one, holds its default and validates it (an :class:`~lightning_paro.strategy.options.OptionError`, a
+    ``ValueError``, names the option and the fix). In short: ``sharding`` (``"IIG"``, one of the 14 strategies, or
+    ``"auto"`` to measure the links and memory at set-up and take the fastest that fits; the candidate table is
+    kept in ``auto_plan``), ``group_size`` (ranks per group; the processes per node), ``units``, ``prefetch``,
+    ``chunk_bytes``, ``log_traffic``, ``auto`` (an :class:`~lightning_paro.planner.AutoConfig`),
+    ``state_dict_type`` (``"sharded"`` directories any layout can read, or ``"full"`` files), ``gather`` (whether
+    evaluation and the module after fit hold the whole model), ``start_method``, ``process_group_backend`` and
+    ``timeout`` (when a collective fails or stalls that long, every surviving rank raises
+    :class:`~lightning_paro.comm.collectives.CollectiveError` naming the operation and scope). The others are
+    Lightning's.
     """
 
     strategy_name = "paro"
 
     def __init__(
         self,
-        sharding: Union[str, ShardingSpec] = "auto",
-        group_size: Optional[int] = None,
-        units: UnitPolicy = "auto",
-        prefetch: int = 1,
-        chunk_bytes: Optional[int] = None,
-        log_traffic: bool = True,
-        auto: Optional[AutoConfig] = None,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
+        sharding: Union[str, ShardingSpec] = _DEFAULT.sharding,
+        group_size: Optional[int] = _DEFAULT.group_size,
+        units: UnitPolicy = _DEFAULT.units,
+        prefetch: int = _DEFAULT.prefetch,
+        chunk_bytes: Optional[int] = _DEFAULT.chunk_bytes,
+        log_traffic: bool = _DEFAULT.log_traffic,
+        auto: Optional[AutoConfig] = _DEFAULT.auto,
+        state_dict_type: Literal["sharded", "full"] = _DEFAULT.state_dict_type,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        gather: Union[GatherMode, GatherConfig] = "auto",
+        process_group_backend: Optional[str] = _DEFAULT.process_group_backend,
+        timeout: Optional[timedelta] = _DEFAULT.timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = _DEFAULT.start_method,
+        gather: Union[GatherMode, GatherConfig] = _DEFAULT.gather,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -140,31 +102,18 @@ class PaROStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._auto = isinstance(sharding, str) and sharding.lower() == "auto"
-        try:
-            self.sharding: Optional[ShardingSpec] = None if self._auto else ShardingSpec.parse(sharding)
-            """The strategy in use (chosen at set-up when ``sharding="auto"``)."""
-        except ValueError as err:
-            raise ValueError(f"{err} Or sharding='auto' to let the strategy choose.") from None
-        self._auto_config = auto or AutoConfig()
+        self.options = PaROOptions(sharding=sharding, group_size=group_size, units=units, prefetch=prefetch,
+                                   chunk_bytes=chunk_bytes, log_traffic=log_traffic, auto=auto,
+                                   state_dict_type=state_dict_type, gather=gather, start_method=start_method,
+                                   process_group_backend=process_group_backend, timeout=timeout)
+        """The options as given (validated)."""
+        self._auto = self.options.is_auto
+        self.sharding: Optional[ShardingSpec] = self.options.spec
+        """The strategy in use (chosen at set-up when ``sharding="auto"``)."""
+        self._auto_config = self.options.auto_config
         self.auto_plan: Optional[Plan] = None
         """With ``sharding="auto"``: the candidate table and the choice."""
-        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
-            raise ValueError(f"group_size must be a positive integer (ranks per group), got {group_size!r}.")
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}.")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"Unknown start_method {start_method!r}: use 'popen', 'spawn', 'fork' or 'forkserver'.")
-        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
-                                        or chunk_bytes < 1):
-            raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}.")
-        if isinstance(gather, str):
-            if gather not in ("auto", "full", "sharded"):
-                raise ValueError(f"gather must be 'auto', 'full', 'sharded' or a GatherConfig, got {gather!r}.")
-            gather = GatherConfig(evaluation=gather, after_fit=gather)
-        elif not isinstance(gather, GatherConfig):
-            raise TypeError(f"gather must be 'auto', 'full', 'sharded' or a GatherConfig, got {gather!r}.")
-        self.gather = gather
+        self.gather = self.options.gather_config
         self._group_size = group_size
         self._chunk_bytes = chunk_bytes
         self.state_dict_type = state_dict_type
