@@ -23,7 +23,9 @@ anything only CUDA shows (streams, NCCL itself).
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import pkgutil
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -109,19 +111,25 @@ def allocate_on_meta_by_default() -> list[str]:
     tensors. Call before any of it runs (the threads' loops are bound when the threads start). Returns what was
     wrapped."""
     from lightning_paro.comm import collectives, ho_ring
+    from lightning_paro.comm.ho_ring import pipeline
     from lightning_paro.strategy import engine, flat
 
     wrapped = []
     classes = (flat.FlatGroup, engine.Unit, engine.PaROEngine, collectives.Communicator, collectives._Worker,
-               ho_ring.HORingGroups, ho_ring._Phase, ho_ring._Job, ho_ring._Lane)
+               ho_ring.HORingGroups, pipeline._Phase, pipeline._Job, pipeline._Lane)
     for cls in classes:
         for name, member in list(vars(cls).items()):
             if inspect.isfunction(member) and (name == "__init__" or not name.startswith("__")):
                 setattr(cls, name, _on_meta(member))
                 wrapped.append(f"{cls.__qualname__}.{name}")
-    for module in (ho_ring, engine, flat):
+    # HO-Ring is a package whose modules call each other's functions through their own imports: wrap every function
+    # of the package in every module of it that holds it.
+    ho_ring_modules = [ho_ring] + [importlib.import_module(f"{ho_ring.__name__}.{info.name}")
+                                   for info in pkgutil.iter_modules(ho_ring.__path__)]
+    for module, owner in [(m, ho_ring.__name__) for m in ho_ring_modules] + [(engine, engine.__name__),
+                                                                             (flat, flat.__name__)]:
         for name, member in list(vars(module).items()):
-            if inspect.isfunction(member) and member.__module__ == module.__name__:
+            if inspect.isfunction(member) and (member.__module__ == owner or member.__module__.startswith(owner + ".")):
                 setattr(module, name, _on_meta(member))
                 wrapped.append(f"{module.__name__}.{name}")
     return wrapped

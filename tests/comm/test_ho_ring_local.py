@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_paro.comm import ho_ring
+from lightning_paro.comm.ho_ring import layout
 from lightning_paro.comm.topology import Topology
 
 
@@ -34,7 +35,7 @@ def test_layout_matches_paro_when_n_divides() -> None:
 @pytest.mark.parametrize("numel,piece", [(1, 1), (37, 4), (1000, 7), (13, 100)])
 def test_layout_chunks_cover_every_sub_block_once(numel: int, piece: int) -> None:
     m, g = 2, 3
-    chunks = ho_ring._layout_chunks(numel, piece, m, g)
+    chunks = layout._layout_chunks(numel, piece, m, g)
     full = ho_ring.layout_ranges(0, numel, m, g)
     for j in range(m):
         for i in range(g):
@@ -48,7 +49,7 @@ def test_layout_chunks_cover_every_sub_block_once(numel: int, piece: int) -> Non
 
 
 def test_contiguous_chunks_cover_the_buffer() -> None:
-    chunks = ho_ring._contiguous_chunks(1003, 100, 2, 2)
+    chunks = layout._contiguous_chunks(1003, 100, 2, 2)
     assert len(chunks) == 11
     assert chunks[0][0][0][0] == 0 and chunks[-1][-1][-1][1] == 1003
 
