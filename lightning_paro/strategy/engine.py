@@ -27,11 +27,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_paro.comm.collectives import CommHandle, Communicator
+from lightning_paro.comm.collectives import Communicator
 from lightning_paro.strategy.flat import FlatGroup, GatherMeter
 from lightning_paro.strategy.levels import Level, ShardingSpec
 from lightning_paro.strategy.transitions import SCOPE_OF
-from lightning_paro.strategy.units import UnitPolicy, find_units
+from lightning_paro.strategy.evaluation import ShardedEvaluation
+from lightning_paro.strategy.units import Unit, UnitPolicy, find_units
 
 ROOT = "<root>"
 
@@ -50,84 +51,6 @@ class Mode(enum.Enum):
     """Sharded evaluation: the root unit stays gathered, the other units are gathered one at a time (with prefetch)
     and freed after their forward; ranks that ran out of batches replay the gathers of their peers' steps (see
     :meth:`PaROEngine.begin_eval`)."""
-
-
-class Unit:
-    """A module whose parameters are gathered and freed together, with its flat groups."""
-
-    def __init__(self, name: str, module: nn.Module, flats: list[FlatGroup]) -> None:
-        self.name = name
-        self.module = module
-        self.flats = flats
-        self.gather_handles: list[CommHandle] = []
-        self.backward_started = False
-        self.backward_done = False
-
-    @property
-    def sharded_params(self) -> bool:
-        return any(f.spec.params != Level.N for f in self.flats)
-
-    @property
-    def trainable(self) -> bool:
-        return any(f.trainable for f in self.flats)
-
-    def wait_param_sync(self) -> None:
-        for f in self.flats:
-            f.wait_param_sync()
-
-    def gather(self, async_op: bool) -> None:
-        """Start (or finish) gathering this unit's parameters."""
-        if not self.gather_handles and not all(f.gathered for f in self.flats):
-            handles = [f.gather_params(async_op=True) for f in self.flats]
-            self.gather_handles = [h for h in handles if h is not None]
-        if not async_op:
-            self.wait_gather()
-
-    def wait_gather(self) -> None:
-        # Each handle answers for its own collective: a failed gather raises here instead of leaving a flat group
-        # marked gathered over memory that holds no parameters.
-        handles, self.gather_handles = self.gather_handles, []
-        for handle in handles:
-            handle.wait()
-
-    def ensure_ready(self) -> None:
-        self.wait_param_sync()
-        self.gather(async_op=False)
-
-    def free(self) -> None:
-        self.wait_gather()
-        for f in self.flats:
-            f.free_params()
-
-    def pre_backward(self) -> None:
-        if self.backward_started:
-            return
-        self.backward_started = True
-        self.ensure_ready()
-        for f in self.flats:
-            f.prepare_grads()
-
-    def post_backward(self, free: bool, previous: Unit | None = None) -> bool:
-        """After this unit's backward: reduce its gradients (G != N) and free its parameters (``free``). Returns
-        whether it ran (once per micro-step). ``previous``: the unit whose reduction was issued last; it is waited
-        for first, so at most one unit's gradients are in flight while the next ones are flattened (a reduction
-        slower than compute would otherwise pile up a full gradient per unit)."""
-        if self.backward_done or not self.backward_started:
-            return False
-        self.backward_done = True
-        if previous is not None and previous is not self:
-            previous.wait_reduce()
-        for f in self.flats:
-            f.reduce_grads()
-        if free:
-            self.free()
-        return True
-
-    def wait_reduce(self) -> None:
-        for f in self.flats:
-            if f.pending_reduce is not None:
-                f.pending_reduce.wait()
-                f.pending_reduce = None
 
 
 class _PostBackward(torch.autograd.Function):
@@ -185,10 +108,8 @@ class PaROEngine:
         """Gathered parameter bytes alive on this rank, their high-water mark, and an optional limit (debug)."""
         for f in self.flat_groups():
             f.gather_meter = self.gather_meter
-        self._eval_seq: list[Unit] = []
-        self._eval_step: list[Unit] | None = None
-        self._eval_tail = False
-        self._eval_joined = False
+        self.evaluation: ShardedEvaluation | None = None
+        """The rounds of the sharded evaluation stage in progress (mode EVAL)."""
         self.eval_rounds = 0
         """Rounds of sharded evaluation this rank took part in (one scalar all-reduce each)."""
         self._adopt_optimizers()
@@ -266,7 +187,7 @@ class PaROEngine:
     def _make_pre_forward(self, unit: Unit):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             if self.mode is Mode.EVAL:
-                self._eval_enter(unit)
+                self.evaluation.enter(unit)
                 return None
             if self.mode is not Mode.SHARDED:
                 return None
@@ -434,20 +355,15 @@ class PaROEngine:
             if unit.sharded_params:
                 unit.free()
         self.mode = Mode.SHARDED
-        self._eval_step = None
+        self.evaluation = None
 
     @property
     def full_param_bytes(self) -> int:
         """Bytes of every parameter buffer gathered at once (padded): what :meth:`materialize` holds."""
         return sum(f.full_bytes for f in self.flat_groups())
 
-    # Sharded evaluation. Ranks may run different numbers of batches (Lightning's predict sampler does not pad), but
-    # every gather is a collective over the P scope. So evaluation goes in rounds, one per step: each rank first
-    # adds a "still running" flag into one scalar all-reduce over that scope. A rank that has run its last step
-    # keeps taking part in the rounds with a 0 and, while any peer still runs, issues the gathers of one step
-    # without computing, until a round counts no rank running. The gathers such a rank replays are the sequence of
-    # units of the latest step every rank ran (the same on every rank, since all of them issued those gathers
-    # together); in a round where a peer has finished, a running rank must use its units in that order.
+    # Sharded evaluation (evaluation.py): the engine gathers the root unit and hands the stage's rounds to a
+    # ShardedEvaluation; the unit hooks call it while the mode is EVAL.
     def begin_eval(self) -> None:
         """Start a sharded evaluation stage (collective over the P scope): the root unit is gathered for the whole
         stage, the other units in each forward. With P = N this is :meth:`materialize` (nothing to gather)."""
@@ -457,44 +373,24 @@ class PaROEngine:
         self.wait()
         self.release()
         self.root.ensure_ready()
-        units = [u for u in self._order if u is not self.root] or self.units[:-1]
-        self._eval_seq = [u for u in units if u.sharded_params]
-        self._eval_step = None
-        self._eval_tail = False
-        self._eval_joined = False
+        self.evaluation = ShardedEvaluation(self, [u for u in self._order if u is not self.root] or self.units[:-1])
         self.mode = Mode.EVAL
 
     def eval_step_begin(self) -> None:
         """Before an evaluation step: this rank's round, flag 1 (running)."""
-        if self.mode is not Mode.EVAL:
-            return
-        running = self._join_round(running=True)
-        self._eval_tail = running < self._eval_scope_size()
-        self._eval_step = []
+        if self.mode is Mode.EVAL:
+            self.evaluation.step_begin()
 
     def eval_step_end(self, last: bool) -> None:
         """After an evaluation step; ``last``: this rank has no more batches in this stage, so it serves its peers'
         gathers until every rank has run its last step."""
-        if self.mode is not Mode.EVAL or self._eval_step is None:
-            return
-        done, self._eval_step = self._eval_step, None
-        if self._eval_tail:
-            # Peers that finished replay the whole agreed sequence: issue the gathers this step did not use.
-            self._replay(self._eval_seq[len(done):])
-        elif done:
-            self._eval_seq = done
-        for unit in self.units[:-1]:  # a prefetched unit the step did not use
-            unit.free()
-        if last:
-            self.join()
+        if self.mode is Mode.EVAL:
+            self.evaluation.step_end(last)
 
     def join(self) -> None:
         """Serve the peers' gathers until every rank of the P scope has run its last step (collective)."""
-        if self.mode is not Mode.EVAL or self._eval_joined:
-            return
-        while self._join_round(running=False) > 0:
-            self._replay(self._eval_seq)
-        self._eval_joined = True
+        if self.mode is Mode.EVAL:
+            self.evaluation.join()
 
     def end_eval(self) -> None:
         """End of an evaluation stage: join if the last step did not, then free what is sharded."""
@@ -503,46 +399,8 @@ class PaROEngine:
         if self.mode in (Mode.EVAL, Mode.FULL):
             self.release()
 
-    def _eval_enter(self, unit: Unit) -> None:
-        step = self._eval_step
-        pos = len(step) if step is not None else -1
-        in_seq = 0 <= pos < len(self._eval_seq) and self._eval_seq[pos] is unit
-        if step is not None:
-            if self._eval_tail and unit.sharded_params and not in_seq:
-                raise RuntimeError(
-                    f"Sharded evaluation: this step used unit {unit.name!r} as its gather number {pos + 1}, where the"
-                    f" ranks that have run out of batches replay {len(self._eval_seq)} gathers in the order of the last"
-                    " step every rank ran. Every evaluation step must use the model's units in the same order; or"
-                    " gather the model in full for evaluation (PaROStrategy(gather='full')).")
-            if unit.sharded_params:
-                step.append(unit)
-        unit.ensure_ready()
-        if in_seq:
-            for nxt in self._eval_seq[pos + 1:pos + 1 + self.prefetch]:
-                nxt.gather(async_op=True)
-
-    def _replay(self, units: list[Unit]) -> None:
-        """The gathers and frees a step over ``units`` issues, in the same order, without computing."""
-        for pos, unit in enumerate(units):
-            unit.ensure_ready()
-            for nxt in units[pos + 1:pos + 1 + self.prefetch]:
-                nxt.gather(async_op=True)
-            unit.free()
-
-    def _join_round(self, running: bool) -> int:
-        self.eval_rounds += 1
-        flag = torch.full((1,), int(running), dtype=torch.int32, device=self._control_device())
-        self.comm.scalar_all_reduce(flag, self._eval_scope())
-        return int(flag.item())
-
-    def _eval_scope(self) -> str:
-        return SCOPE_OF[self.spec.params]
-
-    def _eval_scope_size(self) -> int:
-        topo = self.comm.topology
-        return topo.world_size if self.spec.params == Level.G else topo.group_size
-
-    def _control_device(self) -> torch.device:
+    def control_device(self) -> torch.device:
+        """Where the engine's control tensors (flags, norms) live: the compute device."""
         if self.comm.device is not None:
             return self.comm.device
         return next((f.device for f in self.flat_groups()), torch.device("cpu"))

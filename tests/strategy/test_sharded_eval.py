@@ -151,7 +151,7 @@ def test_sharded_forward_in_one_process(world_of_one):
         block = max(sum(f.full_bytes for f in u.flats) for u in engine.units[:-1])
         assert engine.gather_meter.peak == root + 2 * block < engine.full_param_bytes
         engine.eval_step_begin()
-        engine._eval_tail = True  # as in a round where a peer has run its last batch
+        engine.evaluation.tail = True  # as in a round where a peer has run its last batch
         with pytest.raises(RuntimeError, match="unit 'blocks.1' as its gather number 1"):
             model.blocks[1](torch.zeros(2, 8, 10))
     engine.wait()
