@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_paro.strategy.levels import ShardingSpec
+from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 
 if TYPE_CHECKING:
     from lightning_paro.planner.job import AutoConfig
@@ -104,8 +104,12 @@ class PaROOptions:
         if not self.is_auto:
             try:
                 ShardingSpec.parse(self.sharding)
-            except ValueError as err:
-                raise OptionError("sharding", f"{err} Or sharding='auto' to let the strategy choose.") from None
+            except ValueError:
+                raise OptionError("sharding", f"{self.sharding!r} is not a PaRO strategy: three letters from N, I, G"
+                                              " for parameters, gradients and optimizer states, the optimizer states"
+                                              " at least as sharded as the other two. Valid strategies:"
+                                              f" {', '.join(VALID_STRATEGIES)}; or 'auto' to let the strategy"
+                                              " choose.") from None
         if self.group_size is not None and not is_count(self.group_size, 1):
             raise OptionError("group_size",
                               f"group_size must be a positive integer (ranks per group), got {self.group_size!r}.")
