@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import re
 import sqlite3
@@ -42,16 +44,74 @@ class Dialect:
 SQLITE = Dialect(name="sqlite", placeholder="?")
 POSTGRES = Dialect(name="postgres", placeholder="%s")
 
-# Arbitrary constant key for the PostgreSQL advisory lock that serialises ledger transactions.
+# Arbitrary constant key for the PostgreSQL advisory lock of transactions not scoped to one job (creating the
+# tables: concurrent CREATE TABLE IF NOT EXISTS can collide in PostgreSQL's catalog).
 _PG_ADVISORY_KEY = 727_001
+
+
+def advisory_key(scope: str) -> int:
+    """The PostgreSQL advisory lock key of ``scope`` (a job name): a stable signed 64-bit hash.
+
+    Transactions of different jobs take different keys, so jobs sharing one database never wait for each other
+    (a hash collision between two jobs would only serialise them, never break them).
+    """
+    digest = hashlib.blake2b(scope.encode("utf-8"), digest_size=8, person=b"paro-ledger").digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+@functools.lru_cache(maxsize=512)
+def to_pyformat(statement: str) -> str:
+    """``statement`` with its ``?`` parameter markers in psycopg's ``%s`` style and every literal ``%`` doubled.
+
+    Only a ``?`` outside string literals, quoted identifiers and comments is a parameter; a ``%`` anywhere (a
+    ``LIKE`` pattern, a modulo) must reach psycopg as ``%%``, which it turns back into one ``%``.
+    """
+    out = []
+    i, n = 0, len(statement)
+    while i < n:
+        ch = statement[i]
+        if ch in "'\"":
+            # a string literal or a quoted identifier; a doubled quote inside it is an escaped quote
+            end = i + 1
+            while end < n:
+                if statement[end] == ch:
+                    if end + 1 < n and statement[end + 1] == ch:
+                        end += 2
+                        continue
+                    break
+                end += 1
+            out.append(statement[i : end + 1].replace("%", "%%"))
+            i = end + 1
+        elif statement.startswith("--", i):
+            end = statement.find("\n", i)
+            end = n if end < 0 else end
+            out.append(statement[i:end].replace("%", "%%"))
+            i = end
+        elif statement.startswith("/*", i):
+            end = statement.find("*/", i + 2)
+            end = n if end < 0 else end + 2
+            out.append(statement[i:end].replace("%", "%%"))
+            i = end
+        elif ch == "?":
+            out.append("%s")
+            i += 1
+        elif ch == "%":
+            out.append("%%")
+            i += 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
 
 
 class Database:
     """One connection to the ledger database, with a transaction helper shared by both backends.
 
-    Every ledger transaction is serialised (``BEGIN IMMEDIATE`` on SQLite, an advisory transaction
-    lock on PostgreSQL): ledger transactions are tiny and rare (one per shard), so simple mutual
-    exclusion costs nothing measurable and keeps the leasing logic identical on both backends.
+    Statements are written with ``?`` parameter markers; on PostgreSQL they are translated for psycopg
+    (``to_pyformat``). Every ledger transaction of a job is serialised (``BEGIN IMMEDIATE`` on SQLite, which
+    locks the whole file; on PostgreSQL an advisory transaction lock keyed by the job, so other jobs in the same
+    database run in parallel): ledger transactions are tiny (a few index lookups), so mutual exclusion keeps the
+    leasing logic identical on both backends at a cost measured in bench/predict/ledger_scale.py.
     """
 
     def __init__(self, location: str, connect_timeout_s: float = 10.0) -> None:
@@ -72,12 +132,16 @@ class Database:
 
     def _sql(self, statement: str) -> str:
         if self.dialect is POSTGRES:
-            return statement.replace("?", "%s")
+            return to_pyformat(statement)
         return statement
 
-    def transaction(self) -> "_Transaction":
-        """A serialised read-write transaction: ``with db.transaction() as tx: tx.execute(...)``."""
-        return _Transaction(self)
+    def transaction(self, scope: Optional[str] = None) -> "_Transaction":
+        """A serialised read-write transaction: ``with db.transaction(job) as tx: tx.execute(...)``.
+
+        On PostgreSQL, transactions with the same ``scope`` (a job name) exclude each other; None is the scope of
+        work on the tables themselves. SQLite has a single writer: every transaction excludes every other.
+        """
+        return _Transaction(self, scope)
 
     def query(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
         """Runs one read-only statement in its own short transaction and returns all rows."""
@@ -110,8 +174,9 @@ class Database:
 
 
 class _Transaction:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, scope: Optional[str]) -> None:
         self._db = db
+        self._key = _PG_ADVISORY_KEY if scope is None else advisory_key(scope)
         self._cur: Any = None
 
     def __enter__(self) -> "_Transaction":
@@ -121,7 +186,7 @@ class _Transaction:
             if db.dialect is SQLITE:
                 self._cur.execute("BEGIN IMMEDIATE")
             else:
-                self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_ADVISORY_KEY,))
+                self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._key,))
         except Exception as exc:
             db._rollback()
             raise db._wrap(exc) from exc
@@ -134,6 +199,20 @@ class _Transaction:
 
     def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
         self._cur.executemany(self._db._sql(statement), [tuple(r) for r in rows])
+
+    def insert_rows(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        """Inserts many rows at once: ``COPY ... FROM STDIN`` on PostgreSQL, one prepared statement on SQLite.
+
+        ``table`` and ``columns`` are identifiers written by this package, never user input.
+        """
+        names = ", ".join(columns)
+        if self._db.dialect is POSTGRES:
+            with self._cur.copy(f"COPY {table} ({names}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            return
+        marks = ", ".join("?" for _ in columns)
+        self._cur.executemany(f"INSERT INTO {table} ({names}) VALUES ({marks})", rows)
 
     def fetchall(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
         self._cur.execute(self._db._sql(statement), tuple(params))
