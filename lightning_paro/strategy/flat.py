@@ -122,7 +122,8 @@ class FlatGroup:
         self.g_full: torch.Tensor | None = None
         """Where autograd accumulates this rank's full local gradient across micro-steps (G == N only)."""
         self.g_shard: torch.Tensor | None = None
-        """The gradient accumulated at level G across micro-steps (G != N)."""
+        """The gradient accumulated at level G across micro-steps (G != N); it holds memory from the step's first
+        reduction to the end of the optimizer step."""
         self.master: nn.Parameter | None = None
         """This rank's optimizer shard (level OS); the optimizer updates it."""
         self.used = torch.zeros(len(slots), dtype=torch.int32, device=self.device)
@@ -145,6 +146,7 @@ class FlatGroup:
             self.attach_grads()
         else:
             self.g_shard = torch.zeros(self.layout.shard_numel(spec.grads), dtype=self.dtype, device=self.device)
+            free_storage(self.g_shard)  # allocated at the step's first reduction, freed after the optimizer step
         o0, o1 = self.layout.range(spec.optim)
         p0 = self.layout.start(spec.params)
         own = self.p_local[o0 - p0:o1 - p0]
@@ -242,6 +244,7 @@ class FlatGroup:
         self.detach_grads()
         del grads
         (reduce,) = transitions.reduce_grads(self.spec.grads)
+        self._ensure_grad_shard()
         tmp = torch.empty_like(self.g_shard)
         self.comm.reduce_scatter(tmp, flat, reduce.scope, async_op=True)
         g_shard = self.g_shard
@@ -263,6 +266,8 @@ class FlatGroup:
         if self.pending_reduce is not None:
             self.pending_reduce.wait()
             self.pending_reduce = None
+        if spec.grads != Level.N:
+            self._ensure_grad_shard()  # no gradient reached this group in the whole step: zeros
         grad = self.g_full if spec.grads == Level.N else self.g_shard
         ranks = {"intra": topo.group_size, "inter": topo.num_groups, "global": topo.world_size}
         for c in transitions.grads_to_optim(spec.grads, spec.optim):
@@ -277,9 +282,16 @@ class FlatGroup:
         return self.master.grad
 
     def zero_grad_accumulators(self) -> None:
+        """After the optimizer step. G == N: zero the full gradient autograd accumulates into. G != N: release the
+        G-level accumulator until the next step's first reduction (evaluation and the forward before it need none)."""
         if self.spec.grads == Level.N:
             self.g_full.zero_()
         else:
+            free_storage(self.g_shard)
+
+    def _ensure_grad_shard(self) -> None:
+        """Give the G-level accumulator its memory, zeroed, if the step has not yet."""
+        if alloc_storage(self.g_shard):
             self.g_shard.zero_()
 
     # ------------------------------------------------------------------ after the optimizer step
