@@ -12,7 +12,7 @@ Inter-group (rail) collectives run on HO-Ring's inter phase: point to point, the
 latency is paid about once per chunk step (one step: all-to-all between two groups; k - 1 steps: a ring over more)
 and no reduce-scatter factor applies.
 
-A global collective is an HO-Ring (``comm/ho_ring.py``): its intra and inter phases send the ideal volume point to
+A global collective is an HO-Ring (``comm/ho_ring/``): its intra and inter phases send the ideal volume point to
 point to all peers at once with two chunks posted (latency hidden behind the previous chunk, no reduce-scatter factor)
 and overlap chunk by chunk. With phase times ``t_i`` and ``k`` chunks of ``chunk_bytes`` of the full buffer, it is a
 pipeline::
