@@ -135,13 +135,14 @@ class Database:
             return to_pyformat(statement)
         return statement
 
-    def transaction(self, scope: Optional[str] = None) -> "_Transaction":
+    def transaction(self, scope: Optional[str] = None, exclusive: bool = True) -> "_Transaction":
         """A serialised read-write transaction: ``with db.transaction(job) as tx: tx.execute(...)``.
 
         On PostgreSQL, transactions with the same ``scope`` (a job name) exclude each other; None is the scope of
-        work on the tables themselves. SQLite has a single writer: every transaction excludes every other.
+        work on the tables themselves. ``exclusive=False`` leaves the scope's lock to ``tx.lock()`` (statements
+        that lock their rows need none). SQLite has a single writer: every transaction excludes every other.
         """
-        return _Transaction(self, scope)
+        return _Transaction(self, scope, exclusive)
 
     def query(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
         """Runs one read-only statement in its own short transaction and returns all rows."""
@@ -174,10 +175,22 @@ class Database:
 
 
 class _Transaction:
-    def __init__(self, db: Database, scope: Optional[str]) -> None:
+    def __init__(self, db: Database, scope: Optional[str], exclusive: bool = True) -> None:
         self._db = db
         self._key = _PG_ADVISORY_KEY if scope is None else advisory_key(scope)
+        self._exclusive = exclusive
+        self._locked = False
         self._cur: Any = None
+
+    @property
+    def dialect(self) -> Dialect:
+        return self._db.dialect
+
+    def lock(self) -> None:
+        """Takes the scope's lock now (PostgreSQL), if the transaction does not hold it yet."""
+        if self._db.dialect is POSTGRES and not self._locked:
+            self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._key,))
+        self._locked = True
 
     def __enter__(self) -> "_Transaction":
         db = self._db
@@ -185,8 +198,9 @@ class _Transaction:
             self._cur = db._conn.cursor()
             if db.dialect is SQLITE:
                 self._cur.execute("BEGIN IMMEDIATE")
-            else:
-                self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._key,))
+                self._locked = True
+            elif self._exclusive:
+                self.lock()
         except Exception as exc:
             db._rollback()
             raise db._wrap(exc) from exc

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Sequence, Union
 
-from lightning_paro.predict.db import Database
+from lightning_paro.predict.db import POSTGRES, Database
 
 TODO, LEASED, COMMITTED, POISONED, SPLIT = "todo", "leased", "committed", "poisoned", "split"
 
@@ -62,7 +62,14 @@ _SCHEMA = (
         job TEXT PRIMARY KEY,
         units TEXT NOT NULL
     )""",
+    # a lease, a renewal and the done check look up the few shards in one state (the first todo shard in row
+    # order, the leased ones) through this index, so their cost does not grow with the shards already committed
+    """CREATE INDEX IF NOT EXISTS paro_predict_shards_by_state
+        ON paro_predict_shards (job, state, start_row, shard_id)""",
 )
+
+_LAST_SCHEMA_OBJECT = "paro_predict_shards_by_state"
+_SHARD_INSERT_COLUMNS = ("job", "shard_id", "start_row", "end_row", "state", "attempts")
 
 
 class JobMismatchError(RuntimeError):
@@ -178,9 +185,16 @@ class Ledger:
         self.db = Database(location)
         self.job = job
         self.clock = clock
-        with self.db.transaction() as tx:
-            for statement in _SCHEMA:
-                tx.execute(statement)
+        try:
+            with self.db.transaction(None) as tx:
+                if self.db.dialect is POSTGRES and tx.fetchone(f"SELECT to_regclass('{_LAST_SCHEMA_OBJECT}')")[0]:
+                    # already there: CREATE INDEX IF NOT EXISTS would still lock the shard table against writes
+                    return
+                for statement in _SCHEMA:
+                    tx.execute(statement)
+        except BaseException:
+            self.db.close()
+            raise
 
     @property
     def display_location(self) -> str:
@@ -209,7 +223,7 @@ class Ledger:
             raise ValueError(f"num_rows must be >= 0 and shard_size > 0, got {num_rows} and {shard_size}")
         if ranges is None:
             ranges = [(start, min(start + shard_size, num_rows)) for start in range(0, num_rows, shard_size)]
-        with self.db.transaction() as tx:
+        with self.db.transaction(self.job) as tx:
             row = tx.fetchone("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = ?", (self.job,))
             if row is not None:
                 stored = tx.fetchone("SELECT units FROM paro_predict_inputs WHERE job = ?", (self.job,))
@@ -227,10 +241,11 @@ class Ledger:
             )
             if inputs is not None:
                 tx.execute("INSERT INTO paro_predict_inputs (job, units) VALUES (?, ?)", (self.job, json.dumps(inputs)))
-            tx.executemany(
-                "INSERT INTO paro_predict_shards (job, shard_id, start_row, end_row, state, attempts) "
-                "VALUES (?, ?, ?, ?, ?, 0)",
-                ((self.job, i, start, end, TODO) for i, (start, end) in enumerate(ranges)),
+            # one bulk insert in the same transaction (COPY on PostgreSQL): 100,000 shards in about a second
+            tx.insert_rows(
+                "paro_predict_shards",
+                _SHARD_INSERT_COLUMNS,
+                ((self.job, i, start, end, TODO, 0) for i, (start, end) in enumerate(ranges)),
             )
             return True
 
@@ -259,7 +274,7 @@ class Ledger:
 
     def register_worker(self, owner: str, host: str, pid: int) -> None:
         now = self.clock()
-        with self.db.transaction() as tx:
+        with self.db.transaction(self.job) as tx:
             tx.execute("DELETE FROM paro_predict_workers WHERE job = ? AND owner = ?", (self.job, owner))
             tx.execute(
                 "INSERT INTO paro_predict_workers (job, owner, host, pid, started_at, last_seen) "
@@ -284,16 +299,28 @@ class Ledger:
         shared speculatively; whichever worker commits first wins.
         """
         now = self.clock()
-        with self.db.transaction() as tx:
+        # SQLite: the transaction holds the file's write lock. PostgreSQL: workers do not queue for one lock; each
+        # candidate row is locked as it is read and rows other workers are leasing right now are skipped
+        lock_rows = " FOR UPDATE SKIP LOCKED" if self.db.dialect is POSTGRES else ""
+        with self.db.transaction(self.job, exclusive=False) as tx:
             while True:
-                row = tx.fetchone(
+                # the first free shard in row order: the first todo shard or the first expired lease, each found
+                # by one ordered step along the state index (two lookups, never a scan of the job's shards)
+                todo = tx.fetchone(
                     "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
-                    "WHERE job = ? AND (state = ? OR (state = ? AND lease_expires < ? "
-                    "AND (spec_owner IS NULL OR spec_expires < ?))) ORDER BY start_row, shard_id LIMIT 1",
-                    (self.job, TODO, LEASED, now, now),
+                    "WHERE job = ? AND state = ? ORDER BY start_row, shard_id LIMIT 1" + lock_rows,
+                    (self.job, TODO),
                 )
-                if row is None:
+                expired = tx.fetchone(
+                    "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
+                    "WHERE job = ? AND state = ? AND lease_expires < ? AND (spec_owner IS NULL OR spec_expires < ?) "
+                    "ORDER BY start_row, shard_id LIMIT 1" + lock_rows,
+                    (self.job, LEASED, now, now),
+                )
+                candidates = [r for r in (todo, expired) if r is not None]
+                if not candidates:
                     break
+                row = min(candidates, key=lambda r: (int(r[1]), int(r[0])))
                 shard_id, start, end, attempts = (int(v) for v in row)
                 if attempts >= max_attempts:
                     self._isolate(tx, shard_id, start, end, attempts)
@@ -309,7 +336,7 @@ class Ledger:
                 row = tx.fetchone(
                     "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
                     "WHERE job = ? AND state = ? AND owner <> ? AND lease_expires >= ? AND leased_at <= ? "
-                    "AND (spec_owner IS NULL OR spec_expires < ?) ORDER BY leased_at, shard_id LIMIT 1",
+                    "AND (spec_owner IS NULL OR spec_expires < ?) ORDER BY leased_at, shard_id LIMIT 1" + lock_rows,
                     (self.job, LEASED, owner, now, now - speculate_after_s, now),
                 )
                 if row is not None:
@@ -321,10 +348,12 @@ class Ledger:
                     )
                     return Lease(shard_id, start, end, attempts, speculative=True)
 
-            remaining = tx.fetchone(
-                "SELECT COUNT(*) FROM paro_predict_shards WHERE job = ? AND state IN (?, ?)", (self.job, TODO, LEASED)
+            # the job is done when no shard is todo or leased (a todo shard skipped above is being leased by another
+            # worker): index probes that stop at the first such shard, not a count of the remaining shards
+            pending = tx.fetchone(
+                "SELECT 1 FROM paro_predict_shards WHERE job = ? AND state IN (?, ?) LIMIT 1", (self.job, TODO, LEASED)
             )
-            return LeaseWait.DONE if int(remaining[0]) == 0 else LeaseWait.WAIT
+            return LeaseWait.WAIT if pending is not None else LeaseWait.DONE
 
     def _isolate(self, tx, shard_id: int, start: int, end: int, attempts: int) -> None:
         """Splits a repeatedly failing shard in two, or poisons it when it is a single row."""
@@ -342,6 +371,7 @@ class Ledger:
             )
             return
         mid = (start + end) // 2
+        tx.lock()  # new shard ids are allocated one job-wide transaction at a time
         next_id = int(tx.fetchone("SELECT MAX(shard_id) FROM paro_predict_shards WHERE job = ?", (self.job,))[0]) + 1
         tx.execute("UPDATE paro_predict_shards SET state = ? WHERE job = ? AND shard_id = ?", (SPLIT, self.job, shard_id))
         tx.executemany(
@@ -353,7 +383,7 @@ class Ledger:
     def renew(self, owner: str, lease_ttl_s: float) -> int:
         """Pushes forward the expiry of every lease ``owner`` holds; returns how many."""
         now = self.clock()
-        with self.db.transaction() as tx:
+        with self.db.transaction(self.job, exclusive=False) as tx:  # row locks suffice
             renewed = tx.execute(
                 "UPDATE paro_predict_shards SET lease_expires = ? WHERE job = ? AND owner = ? AND state = ?",
                 (now + lease_ttl_s, self.job, owner, LEASED),
@@ -370,7 +400,7 @@ class Ledger:
     def release(self, owner: str) -> None:
         """Expires ``owner``'s leases at once so other workers take them without waiting (clean shutdown)."""
         now = self.clock()
-        with self.db.transaction() as tx:
+        with self.db.transaction(self.job) as tx:
             tx.execute(
                 "UPDATE paro_predict_shards SET lease_expires = ? WHERE job = ? AND owner = ? AND state = ?",
                 (now - 1.0, self.job, owner, LEASED),
@@ -386,7 +416,7 @@ class Ledger:
     def commit(self, shard_id: int, owner: str, rows_written: int, rows_failed: int, file: str) -> CommitResult:
         """Marks a shard committed once its file is durably on disk. The first commit wins."""
         now = self.clock()
-        with self.db.transaction() as tx:
+        with self.db.transaction(self.job, exclusive=False) as tx:  # row locks suffice
             changed = tx.execute(
                 "UPDATE paro_predict_shards SET state = ?, rows_written = ?, rows_failed = ?, file = ?, "
                 "committed_at = ?, committed_by = ?, spec_owner = NULL WHERE job = ? AND shard_id = ? "
