@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from lightning_paro.predict.db import LedgerUnavailableError, redact_url
 from lightning_paro.predict.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,10 @@ class ProgressClock:
         return time.monotonic() - self.last
 
 
+class HeartbeatFailedError(LedgerUnavailableError):
+    """The heartbeat thread stopped for good: this worker's leases are no longer renewed."""
+
+
 class Heartbeat(threading.Thread):
     """Renews leases every ``interval_s``; stops renewing once no batch finished for ``stall_timeout_s``.
 
@@ -41,6 +46,7 @@ class Heartbeat(threading.Thread):
         stall_timeout_s: float,
         clock: ProgressClock,
         on_tick: Optional[Callable[[Ledger], None]] = None,
+        ledger_display: str = "the prediction ledger",
     ) -> None:
         super().__init__(name=f"lightning-paro-heartbeat-{owner}", daemon=True)
         self.ledger_factory = ledger_factory
@@ -52,13 +58,25 @@ class Heartbeat(threading.Thread):
         self.on_tick = on_tick
         self.stopped = threading.Event()
         self.stalled = False
+        self.ledger_display = redact_url(ledger_display)
         self.error: Optional[BaseException] = None
+        """The last error of the thread (a failed renewal is retried at the next tick)."""
+        self.failure: Optional[HeartbeatFailedError] = None
+        """Set when the thread ended without being stopped: the worker must stop too (``check``)."""
 
     def run(self) -> None:
         try:
             ledger = self.ledger_factory()
         except Exception as exc:
             self.error = exc
+            detail = redact_url(f"{type(exc).__name__}: {exc}").strip()
+            self.failure = HeartbeatFailedError(
+                f"The heartbeat of worker {self.owner} could not open the ledger at {self.ledger_display} ({detail}), "
+                "so this worker's leases would expire while it still works on them and other workers would redo its "
+                "shards. Stopping this worker: its committed shards are kept, and rerunning it resumes the job once "
+                "the ledger can be opened."
+            )
+            log.error("%s", self.failure)
             return
         try:
             while not self.stopped.wait(self.interval_s):
@@ -82,6 +100,11 @@ class Heartbeat(threading.Thread):
                     log.warning("worker %s could not renew its leases: %s", self.owner, exc)
         finally:
             ledger.close()
+
+    def check(self) -> None:
+        """Raises ``HeartbeatFailedError`` if the thread has ended for good (called by the worker at each batch)."""
+        if self.failure is not None:
+            raise self.failure
 
     def stop(self) -> None:
         self.stopped.set()

@@ -234,8 +234,14 @@ def run_pipeline(
         report.replicas = dict(fixed)
     log.info("pipeline replicas: %s", report.replicas)
 
+    # the stage processes are forked before the worker's threads (writer, heartbeat) exist
     graph = _StageGraph(stages, report.replicas, config.row_retries, queue_size, start_method)
-    run = WorkerRun(config, loader)
+    try:
+        run = WorkerRun(config, loader)
+    except BaseException:
+        # a refused job or an unreachable ledger: the stages must not outlive this call
+        graph.stop(wait=False)
+        raise
     max_in_flight = queue_size * len(stages) + sum(report.replicas.values())
     pending: dict = {}  # seq -> packed input, for batches not yet back from the last stage (replayed on restart)
     done: dict = {}
@@ -312,6 +318,7 @@ class _StageGraph:
         self.row_retries = row_retries
         self.queue_size = queue_size
         self.ctx = multiprocessing.get_context(start_method)
+        self.procs: list = []
         self._start()
 
     def _start(self) -> None:
@@ -320,17 +327,21 @@ class _StageGraph:
         self.results = ctx.Queue()
         self.procs = []
         last = len(self.stages) - 1
-        for i, stage in enumerate(self.stages):
-            outbox = self.queues[i + 1] if i < last else None
-            for r in range(self.replicas[stage.name]):
-                proc = ctx.Process(
-                    target=_stage_loop,
-                    args=(stage, i == last, self.row_retries, self.queues[i], outbox, self.results),
-                    name=f"pipeline-{stage.name}-{r}",
-                    daemon=True,
-                )
-                proc.start()
-                self.procs.append((stage.name, proc))
+        try:
+            for i, stage in enumerate(self.stages):
+                outbox = self.queues[i + 1] if i < last else None
+                for r in range(self.replicas[stage.name]):
+                    proc = ctx.Process(
+                        target=_stage_loop,
+                        args=(stage, i == last, self.row_retries, self.queues[i], outbox, self.results),
+                        name=f"pipeline-{stage.name}-{r}",
+                        daemon=True,
+                    )
+                    proc.start()
+                    self.procs.append((stage.name, proc))
+        except BaseException:
+            self.stop(wait=False)  # the replicas started so far
+            raise
 
     def submit(self, message: bytes) -> None:
         """Puts a packed batch into the first stage's queue, watching for dead replicas while it is full."""

@@ -67,52 +67,61 @@ class WorkerRun:
         self.output_dir = config.output_path
         shard_files.check_output_dir(self.output_dir)
         self.ledger = self.open_ledger()
-        num_rows = len(loader.dataset) if layout is None else layout.num_rows
-        shard_size = config.shard_size
-        if shard_size is None:
-            shape = self.ledger.job_shape()
-            # a resumed or joining worker adopts the job's shard size unless told otherwise
-            shard_size = shape[1] if shape is not None else 16 * int(loader.batch_size)
-        if layout is None:
-            self.ledger.ensure_job(num_rows, shard_size)
-        else:
-            self.ledger.ensure_job(num_rows, shard_size, layout.plan_shards(shard_size), layout.describe())
-        self.ledger.register_worker(self.owner, socket.gethostname(), os.getpid())
-        self.num_rows = num_rows
-        self.in_flight = InFlightShards()
-        self.clock = ProgressClock()
-        self.stop = threading.Event()
-        self.progress_text: Optional[str] = None
-        self._last_progress_read = 0.0
-        self.sampler = ShardBatchSampler(
-            self.open_ledger, self.owner, int(loader.batch_size), config, self.in_flight, self._acknowledge, self.stop
-        )
-        self.dataloader = sharded_dataloader(
-            loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads, layout
-        )
-        self.writer = ShardWriter(
-            self.open_ledger,
-            self.output_dir,
-            config.format,
-            self.owner,
-            config.index_column,
-            config.id_column,
-            config.max_failed_rows,
-            self.in_flight,
-            self.clock,
-            config.writer_queue_size,
-        )
-        self.heartbeat = Heartbeat(
-            self.open_ledger,
-            self.owner,
-            config.lease_ttl_s,
-            config.heartbeat_every_s,
-            config.stall_timeout_s,
-            self.clock,
-            on_tick=self._read_progress,
-        )
-        self.writer.start()
-        self.heartbeat.start()
+        self.writer: Optional[ShardWriter] = None
+        try:
+            num_rows = len(loader.dataset) if layout is None else layout.num_rows
+            shard_size = config.shard_size
+            if shard_size is None:
+                shape = self.ledger.job_shape()
+                # a resumed or joining worker adopts the job's shard size unless told otherwise
+                shard_size = shape[1] if shape is not None else 16 * int(loader.batch_size)
+            if layout is None:
+                self.ledger.ensure_job(num_rows, shard_size)
+            else:
+                self.ledger.ensure_job(num_rows, shard_size, layout.plan_shards(shard_size), layout.describe())
+            self.ledger.register_worker(self.owner, socket.gethostname(), os.getpid())
+            self.num_rows = num_rows
+            self.in_flight = InFlightShards()
+            self.clock = ProgressClock()
+            self.stop = threading.Event()
+            self.progress_text: Optional[str] = None
+            self._last_progress_read = 0.0
+            self.sampler = ShardBatchSampler(
+                self.open_ledger, self.owner, int(loader.batch_size), config, self.in_flight, self._acknowledge, self.stop
+            )
+            self.dataloader = sharded_dataloader(
+                loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads, layout
+            )
+            self.writer = ShardWriter(
+                self.open_ledger,
+                self.output_dir,
+                config.format,
+                self.owner,
+                config.index_column,
+                config.id_column,
+                config.max_failed_rows,
+                self.in_flight,
+                self.clock,
+                config.writer_queue_size,
+            )
+            self.heartbeat = Heartbeat(
+                self.open_ledger,
+                self.owner,
+                config.lease_ttl_s,
+                config.heartbeat_every_s,
+                config.stall_timeout_s,
+                self.clock,
+                on_tick=self._read_progress,
+                ledger_display=self.ledger.display_location,
+            )
+            self.writer.start()
+            self.heartbeat.start()
+        except BaseException:
+            # a refused job (JobMismatchError), an unreachable ledger...: leave no connection or thread behind
+            if self.writer is not None and self.writer.is_alive():
+                self.writer.abort()
+            self.ledger.close()
+            raise
         self.manifest: Optional[dict] = None
         log.info("worker %s joined job %s (ledger %s)", self.owner, config.job, self.ledger.display_location)
 
@@ -132,6 +141,8 @@ class WorkerRun:
 
     def on_batch_end(self, outputs: Any) -> None:
         """Hands one batch's predictions to the writer (blocking while its queue is full)."""
+        # a heartbeat that stopped for good no longer renews this worker's leases: fail now, not after they expire
+        self.heartbeat.check()
         if isinstance(outputs, StepOutcome):
             self.writer.submit(outputs)
         self.clock.touch()
