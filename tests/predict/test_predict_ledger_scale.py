@@ -142,3 +142,47 @@ def test_the_state_index_leaves_the_shards_in_row_order(tmp_path):
         assert {s.state for s in ledger.shards() if s.start_row >= 13} == {TODO}
     finally:
         ledger.close()
+
+
+def test_postgres_plans_of_lease_commit_and_renew_use_indexes_not_scans(postgres_url, job_name, monkeypatch):
+    """On PostgreSQL: every statement a lease, a commit, a renewal and a done/wait answer run is planned as an
+    index lookup (no sequential scan of the shards, no sort) on a job with 10,000 of 10,100 shards committed."""
+    from lightning_paro.predict import db as db_module
+
+    ledger = Ledger(postgres_url, job_name, clock=FakeClock())
+    try:
+        ledger.ensure_job(10_100, 1)
+        with ledger.db.transaction(job_name) as tx:
+            tx.execute(
+                "UPDATE paro_predict_shards SET state = ?, committed_at = 1.0 WHERE job = ? AND shard_id < ?",
+                (COMMITTED, job_name, 10_000),
+            )
+            tx.execute("ANALYZE paro_predict_shards")
+        seen: list = []
+        for name in ("execute", "fetchone"):
+            original = getattr(db_module._Transaction, name)
+
+            def recording(self, statement, params=(), _original=original):
+                seen.append((statement, tuple(params)))
+                return _original(self, statement, params)
+
+            monkeypatch.setattr(db_module._Transaction, name, recording)
+        lease = ledger.lease("me", lease_ttl_s=60.0)
+        ledger.renew("me", lease_ttl_s=60.0)
+        ledger.commit(lease.shard_id, "me", 1, 0, "file")
+        for i in range(99):
+            ledger.commit(ledger.lease("me", lease_ttl_s=60.0).shard_id, "me", 1, 0, "file")
+        assert ledger.lease("me", lease_ttl_s=60.0) is LeaseWait.DONE
+        monkeypatch.undo()
+        # the shard table's statements (the workers table has one row per worker)
+        statements = {s: p for s, p in seen
+                      if s.split()[0].upper() in {"SELECT", "UPDATE", "DELETE"} and "paro_predict_shards" in s}
+        assert any("FOR UPDATE SKIP LOCKED" in s for s in statements)
+        for statement, params in statements.items():
+            plan = "\n".join(r[0] for r in ledger.db.query("EXPLAIN " + statement, params))
+            assert "Seq Scan" not in plan and "Sort" not in plan, (statement, plan)
+    finally:
+        with ledger.db.transaction(job_name) as tx:
+            tx.execute("DELETE FROM paro_predict_shards WHERE job = ?", (job_name,))
+            tx.execute("DELETE FROM paro_predict_jobs WHERE job = ?", (job_name,))
+        ledger.close()
