@@ -3,11 +3,12 @@ responds to bandwidth, memory and PEFT the way the design's rules of thumb say."
 
 import dataclasses
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
 from lightning_paro.comm.ho_ring import CHUNKS_IN_FLIGHT
-from lightning_paro.plan import LLAMA_7B, LLAMA_65B, PAPER_INTER_NODE_GBPS, paper_scale_rows
 from lightning_paro.planner import Cluster, Compute, Link, Workload, fastest_chunk_bytes, plan, predict
 from lightning_paro.planner.phases import (
     HO_RING_CHUNKS_IN_FLIGHT,
@@ -20,6 +21,9 @@ from lightning_paro.planner.phases import (
 )
 from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
 from lightning_paro.strategy.volumes import model_state_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "auto"))
+from paper_scale import LLAMA_7B, LLAMA_65B, PAPER_INTER_NODE_GBPS, paper_scale_markdown, paper_scale_rows  # noqa: E402
 
 # A small hand-checkable set-up: n = 4 ranks in 2 groups of 2, two units holding 80% of the parameters.
 SMALL = Workload(1e6, 1e6, accumulation=2, num_units=2, root_fraction=0.2, tokens_per_micro_batch=100,
@@ -229,6 +233,7 @@ DESIGN_MEMORY = {
 
 
 def test_paper_scale_table():
+    assert "**LLaMA-65B on 128 GPUs**" in paper_scale_markdown()
     rows = paper_scale_rows()
     assert len(rows) == 3 * 14
     by = {(r["setting"], r["strategy"]): r for r in rows}
