@@ -19,9 +19,13 @@ DEFAULT_PIECE_BYTES = 2 * 2**20
 """A piece where no HO-Ring chunk size is configured: the same 2 MiB."""
 
 
-def _piece_elements(shard_numel: int, ranks: int, element_size: int, piece_bytes: int) -> int:
-    """Elements of each rank's shard per piece, so that a piece of the full buffer is at most ``piece_bytes``."""
-    return max(1, min(shard_numel, piece_bytes // (ranks * element_size)))
+def _pieces(buffer: torch.Tensor, shard_numel: int, ranks: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """The ranges ``[a, b)`` of each rank's shard that make one piece of at most ``piece_bytes`` of the full
+    buffer; empty where the single collective is right (not the CPU, or the buffer is one piece)."""
+    step = max(1, min(shard_numel, piece_bytes // (ranks * buffer.element_size())))
+    if not stages_whole_buffer(buffer) or step >= shard_numel:
+        return []
+    return [(a, min(shard_numel, a + step)) for a in range(0, shard_numel, step)]
 
 
 def stages_whole_buffer(tensor: torch.Tensor) -> bool:
@@ -31,25 +35,21 @@ def stages_whole_buffer(tensor: torch.Tensor) -> bool:
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group, ranks: int, piece_bytes: int) -> None:
     """``out`` (``ranks`` shards, in rank order) gathered from every rank's ``shard``, in pieces on the CPU."""
-    size = shard.numel()
-    step = _piece_elements(size, ranks, shard.element_size(), piece_bytes)
-    if not stages_whole_buffer(out) or step >= size:
+    pieces = _pieces(out, shard.numel(), ranks, piece_bytes)
+    if not pieces:
         compat.all_gather_single(out, shard, group=group)
         return
-    rows = out.view(ranks, size)
-    for a in range(0, size, step):
-        b = min(size, a + step)
+    rows = out.view(ranks, shard.numel())
+    for a, b in pieces:
         dist.all_gather(list(rows[:, a:b].unbind(0)), shard[a:b], group=group)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, piece_bytes: int) -> None:
     """``out``: this rank's shard of ``full`` summed over the ranks, in pieces on the CPU."""
-    size = out.numel()
-    step = _piece_elements(size, ranks, out.element_size(), piece_bytes)
-    if not stages_whole_buffer(full) or step >= size:
+    pieces = _pieces(full, out.numel(), ranks, piece_bytes)
+    if not pieces:
         compat.reduce_scatter_single(out, full, group=group)
         return
-    rows = full.view(ranks, size)
-    for a in range(0, size, step):
-        b = min(size, a + step)
+    rows = full.view(ranks, out.numel())
+    for a, b in pieces:
         dist.reduce_scatter(out[a:b], list(rows[:, a:b].unbind(0)), group=group)
