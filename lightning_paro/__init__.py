@@ -5,10 +5,11 @@ Lightning's strategy registry, so ``Trainer(strategy="paro_iig")`` works.
 """
 
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
-from lightning_paro.strategy.strategy import GatherConfig, PaROStrategy
+from lightning_paro.strategy.options import GatherConfig, PaROOptions
+from lightning_paro.strategy.strategy import PaROStrategy
 
 __version__ = "0.1.0"
-__all__ = ["GatherConfig", "PaROStrategy", "ShardingSpec", "VALID_STRATEGIES"]
+__all__ = ["GatherConfig", "PaROOptions", "PaROStrategy", "ShardingSpec", "VALID_STRATEGIES"]
 
 
 def _register() -> None:

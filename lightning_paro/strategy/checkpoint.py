@@ -8,6 +8,11 @@ the files can be read at any other world size, group size or strategy, or withou
 
 Loading describes, for each rank, the chunks it needs at its own levels (P for parameters, OS for optimizer states);
 torch.distributed.checkpoint reads the overlapping parts of the stored chunks into them, in place.
+
+The strategy's checkpoint hooks call the functions of the last sections: what a checkpoint holds
+(:func:`module_state_to_save`, :func:`optimizer_state_to_save`), writing it aside and publishing it atomically
+(:func:`save`, :func:`export_full`), reading it back (:func:`load_sharded`; a full file goes through Lightning and
+:func:`load_full_model_state`), and consolidating a sharded one offline (:func:`convert_to_full`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -27,6 +32,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from lightning_paro.strategy.levels import Level
 
 if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
     from lightning_paro.strategy.engine import PaROEngine
 
 META_FILE = "meta.pt"
@@ -409,6 +416,131 @@ def stored_shapes(metadata, prefix: str) -> dict[str, torch.Size]:
             out[key[len(prefix) + 1:]] = md.size
     return out
 
+
+# ---------------------------------------------------------------------- the strategy's hooks, end to end
+class Ranks(Protocol):
+    """What saving and loading need of the strategy: whether this is rank 0, and its collectives."""
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def barrier(self, name: Optional[str] = None) -> None: ...
+
+
+def module_state_to_save(engine: PaROEngine, sharded: bool) -> dict[str, Any]:
+    """The module's state for a checkpoint. Sharded: this rank's chunks of every tensor. Full: the whole state dict
+    (collective; rank 0 saves it), one unit gathered at a time and copied to the CPU, so that a full checkpoint never
+    needs the whole model on the device."""
+    if sharded:
+        engine.wait()
+        return model_state(engine, for_save=True)
+    return engine.full_state_dict(device="cpu")
+
+
+def optimizer_state_to_save(engine: PaROEngine, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
+    """The state of ``optimizer`` (one the engine steps) for a checkpoint: this rank's chunks, or the full state
+    (collective)."""
+    index = next((i for i, o in enumerate(engine.optimizers) if o is optimizer), None)
+    if index is None:
+        raise RuntimeError(
+            f"The optimizer {type(optimizer).__name__} of the last fit no longer holds this module's shards: the"
+            " module's parameters were replaced after fit (e.g. a `configure_model` that builds new layers on every"
+            " call), so the strategy sharded them anew. Save the checkpoint before validate/test/predict, or make"
+            " `configure_model` return early when the layers exist.")
+    engine.wait()
+    if sharded:
+        return optimizer_state(engine, index, for_save=True)
+    return full_optimizer_state(engine, index)
+
+
+def save(ranks: Ranks, checkpoint: dict[str, Any], filepath: Any, sharded: bool,
+         write_file: Callable[[dict[str, Any], Path], None]) -> None:
+    """Write a checkpoint aside, then publish it atomically (collective): an interrupted save never leaves a
+    checkpoint that looks complete, and the previous one at ``filepath`` stays intact until the new one is in place.
+
+    Sharded: a directory written by every rank through torch.distributed.checkpoint, the trainer state
+    (:data:`META_FILE`) last. Full: ``write_file(checkpoint, path)`` on rank 0 (the strategy's CheckpointIO).
+    """
+    path = Path(ranks.broadcast(str(filepath)))
+    staged = Path(ranks.broadcast(str(staging_path(path))))
+    if sharded:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import save as dcp_save
+
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = opt_state
+        if ranks.is_global_zero:
+            staged.mkdir(parents=True)
+        ranks.barrier()
+        dcp_save(state, storage_writer=FileSystemWriter(str(staged)), planner=ChunkSavePlanner())
+        if ranks.is_global_zero:
+            torch.save(checkpoint, staged / META_FILE)  # written last: its presence marks completeness
+    elif ranks.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(checkpoint, staged)
+    ranks.barrier()
+    if ranks.is_global_zero:
+        publish(staged, path)
+    ranks.barrier()
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint, a file or a sharded directory (call it on one rank)."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def load_sharded(engine: PaROEngine, path: Path, strict: bool, fitting: bool, weights_only: bool) -> dict[str, Any]:
+    """Read a sharded checkpoint into the engine's shards in place (collective) and return its trainer state.
+
+    The optimizer states are read for fit only, as Lightning does for "ddp": ``validate(ckpt_path=...)`` after fit
+    reads the weights and leaves the fit's optimizer states as they are.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    metadata = read_sharded_metadata(path)
+    state: dict[str, Any] = {"state_dict": model_state(engine, for_save=False)}
+    check_keys_and_shapes(engine.module.state_dict(keep_vars=True), stored_shapes(metadata, "state_dict"), strict,
+                          "model")
+    stored_opts = {k.split(".")[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")}
+    load_opts = [i for i in range(len(engine.optimizers)) if f"optimizer_{i}" in stored_opts] if fitting else []
+    for i in load_opts:
+        init_optimizer_state(engine, i)
+        state[f"optimizer_{i}"] = optimizer_state(engine, i, for_save=False)
+    if not strict:
+        state["state_dict"] = {k: v for k, v in state["state_dict"].items()
+                               if f"state_dict.{k}" in metadata.state_dict_metadata}
+    try:
+        dcp_load(state, storage_reader=FileSystemReader(str(path)), planner=ChunkLoadPlanner())
+    except CheckpointException as err:  # a BaseException: turn it into an error that names the damage
+        causes = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                           for r, e in sorted(err.failures.items()))
+        raise RuntimeError(f"Could not read the sharded checkpoint at {path}: a data file is missing, damaged or"
+                           f" truncated ({causes}). Resume from an earlier checkpoint.") from None
+    for i in load_opts:
+        apply_param_groups(engine, i, state[f"optimizer_{i}"]["param_groups"])
+    engine.after_load()
+    return torch.load(path / META_FILE, weights_only=weights_only)
+
+
+def export_full(ranks: Ranks, engine: PaROEngine, path: Any) -> None:
+    """Write the module's full state dict (``torch.save``) to ``path`` from rank 0, gathering one unit at a time
+    onto rank 0's CPU (collective); published atomically."""
+    state = engine.full_state_dict(rank0_only=True)
+    path = Path(ranks.broadcast(str(path)))
+    if ranks.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = staging_path(path)
+        torch.save(state, staged)
+        publish(staged, path)
+    ranks.barrier()
 
 
 # ---------------------------------------------------------------------- sharded -> full

@@ -1,10 +1,11 @@
-"""``Trainer(strategy="paro")``: the Lightning-facing PaRO strategy. Thin hooks; the logic lives in the engine."""
+"""``Trainer(strategy="paro")``: the Lightning-facing PaRO strategy. Thin hooks: the sharding lives in the engine
+(``engine.py``), saving and loading checkpoints in ``checkpoint.py``, the options' defaults and checks in
+``options.py``."""
 
 from __future__ import annotations
 
 import atexit
 import logging
-import shutil
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -452,16 +453,9 @@ class PaROStrategy(ParallelStrategy):
         """Write the module's full state dict (``torch.save``) to ``path`` from rank 0, gathering one unit at a time
         onto rank 0's CPU: for a model whose parameters do not fit one rank's device at once (collective)."""
         assert self.engine is not None, "export_full_state_dict needs the strategy set up (after fit or a stage)"
-        state = self.engine.full_state_dict(rank0_only=True)
-        path = Path(self.broadcast(str(path)))
-        if self.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staged = ckpt.staging_path(path)
-            torch.save(state, staged)
-            ckpt.publish(staged, path)
-        self.barrier()
+        ckpt.export_full(self, self.engine, path)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (strategy/checkpoint.py)
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -478,112 +472,42 @@ class PaROStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if self.engine is None:
             return self.lightning_module.state_dict()
-        if self.state_dict_type == "sharded":
-            self.engine.wait()
-            return ckpt.model_state(self.engine, for_save=True)
-        # One unit gathered at a time, copied to the CPU: a full checkpoint never needs the whole model on the device.
-        return self.engine.full_state_dict(device="cpu")
+        return ckpt.module_state_to_save(self.engine, sharded=self.state_dict_type == "sharded")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.engine is not None
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        index = next((i for i, o in enumerate(self.engine.optimizers) if o is raw), None)
-        if index is None:
-            raise RuntimeError(
-                f"The optimizer {type(raw).__name__} of the last fit no longer holds this module's shards: the module's"
-                " parameters were replaced after fit (e.g. a `configure_model` that builds new layers on every call),"
-                " so the strategy sharded them anew. Save the checkpoint before validate/test/predict, or make"
-                " `configure_model` return early when the layers exist.")
-        self.engine.wait()
-        if self.state_dict_type == "sharded":
-            return ckpt.optimizer_state(self.engine, index, for_save=True)
-        return ckpt.full_optimizer_state(self.engine, index)
+        return ckpt.optimizer_state_to_save(self.engine, raw, sharded=self.state_dict_type == "sharded")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write aside, then publish atomically: an interrupted save never leaves a checkpoint that looks complete,
-        and the previous checkpoint at ``filepath`` stays intact until the new one is in place."""
+        """Written aside, then published atomically (:func:`~lightning_paro.strategy.checkpoint.save`)."""
         if storage_options is not None:
             raise TypeError("PaROStrategy.save_checkpoint does not take storage_options.")
-        path = Path(self.broadcast(str(filepath)))
-        staged = Path(self.broadcast(str(ckpt.staging_path(path))))
-        if self.state_dict_type == "sharded":
-            from torch.distributed.checkpoint import FileSystemWriter
-            from torch.distributed.checkpoint import save as dcp_save
-
-            state = {"state_dict": checkpoint.pop("state_dict")}
-            for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-                state[f"optimizer_{i}"] = opt_state
-            if self.is_global_zero:
-                staged.mkdir(parents=True)
-            self.barrier()
-            dcp_save(state, storage_writer=FileSystemWriter(str(staged)), planner=ckpt.ChunkSavePlanner())
-            if self.is_global_zero:
-                torch.save(checkpoint, staged / ckpt.META_FILE)  # written last: its presence marks completeness
-        elif self.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.checkpoint_io.save_checkpoint(checkpoint, staged)
-        self.barrier()
-        if self.is_global_zero:
-            ckpt.publish(staged, path)
-        self.barrier()
+        ckpt.save(self, checkpoint, filepath, sharded=self.state_dict_type == "sharded",
+                  write_file=self.checkpoint_io.save_checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            ckpt.remove(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.engine is not None
+        assert self.engine is not None and self.lightning_module is not None
         self.engine.wait()
         weights_only = True if weights_only is None else weights_only  # opt out explicitly for trusted files
         if not path.is_dir():
             self._restored_sharded = False
             return super().load_checkpoint(path, weights_only=weights_only)
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint import load as dcp_load
-
-        metadata = ckpt.read_sharded_metadata(path)
-        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
-        state: dict[str, Any] = {"state_dict": ckpt.model_state(self.engine, for_save=False)}
-        ckpt.check_keys_and_shapes(self.lightning_module.state_dict(keep_vars=True),
-                                   ckpt.stored_shapes(metadata, "state_dict"), strict, "model")
-        stored_opts = {k.split(".")[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")}
-        # Optimizer states are restored for fit only, as Lightning does for "ddp": validate(ckpt_path=...) after fit
-        # reads the weights and leaves the fit's optimizer states as they are.
-        load_opts = [i for i in range(len(self.engine.optimizers)) if f"optimizer_{i}" in stored_opts] \
-            if self._fitting() else []
-        for i in load_opts:
-            ckpt.init_optimizer_state(self.engine, i)
-            state[f"optimizer_{i}"] = ckpt.optimizer_state(self.engine, i, for_save=False)
-        if not strict:
-            state["state_dict"] = {k: v for k, v in state["state_dict"].items()
-                                   if f"state_dict.{k}" in metadata.state_dict_metadata}
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            dcp_load(state, storage_reader=FileSystemReader(str(path)), planner=ckpt.ChunkLoadPlanner())
-        except CheckpointException as err:  # a BaseException: turn it into an error that names the damage
-            causes = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                               for r, e in sorted(err.failures.items()))
-            raise RuntimeError(f"Could not read the sharded checkpoint at {path}: a data file is missing, damaged or"
-                               f" truncated ({causes}). Resume from an earlier checkpoint.") from None
-        for i in load_opts:
-            ckpt.apply_param_groups(self.engine, i, state[f"optimizer_{i}"]["param_groups"])
-        self.engine.after_load()
-        self._restored_sharded = True
-        return torch.load(path / ckpt.META_FILE, weights_only=weights_only)
-
-    def _fitting(self) -> bool:
         module = self.lightning_module
-        return module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
+        fitting = module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
+        meta = ckpt.load_sharded(self.engine, path, strict=module.strict_loading, fitting=fitting,
+                                 weights_only=weights_only)
+        self._restored_sharded = True
+        return meta
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
