@@ -154,11 +154,11 @@ def run_elastic(data: str, out: str, batch_size: int, workers: int) -> dict:
         def predict_step(self, batch, batch_idx):
             return {"score": self.mlp(batch)[:, 0]}
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     source = ParquetSource(data, columns=FEATURES + ["id"], key="id")
     loader = DataLoader(source, batch_size=batch_size, num_workers=workers, collate_fn=collate_rows)
     _trainer([ElasticPredict(out)]).predict(Scorer(), dataloaders=loader)
-    return {"seconds": time.perf_counter() - start}
+    return {"seconds": time.perf_counter() - start, "cpu_s_main_process_in_run": time.process_time() - cpu}
 
 
 class ParquetStream:
@@ -217,12 +217,12 @@ def run_plain(data: str, out: str, batch_size: int, workers: int) -> dict:
             if self.writer is not None:
                 self.writer.close()
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     Path(out).mkdir(parents=True, exist_ok=True)
     loader = DataLoader(Stream(data, batch_size), batch_size=None, num_workers=workers)
     _trainer([ParquetWriter(str(Path(out) / "predictions.parquet"))]).predict(
         Scorer(), dataloaders=loader, return_predictions=False)
-    return {"seconds": time.perf_counter() - start}
+    return {"seconds": time.perf_counter() - start, "cpu_s_main_process_in_run": time.process_time() - cpu}
 
 
 _RAY_MODEL = None
@@ -246,17 +246,18 @@ def ray_model_fn(batch: dict) -> dict:
 def run_ray(data: str, out: str, batch_size: int, workers: int, temp_dir: str) -> dict:
     import ray
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir)
     started = time.perf_counter()
     try:
         ds = ray.data.read_parquet(data, columns=FEATURES + ["id"])
         ds.map_batches(ray_model_fn, batch_size=batch_size, batch_format="numpy").write_parquet(out)
         seconds = time.perf_counter() - start
+        cpu = time.process_time() - cpu
         cpus = ray.cluster_resources().get("CPU")
     finally:
         ray.shutdown()
-    return {"seconds": seconds, "ray_init_seconds": started - start, "ray_cpus": cpus}
+    return {"seconds": seconds, "ray_init_seconds": started - start, "ray_cpus": cpus, "cpu_s_main_process_in_run": cpu}
 
 
 def system_main(args) -> None:
@@ -300,6 +301,16 @@ def process_tree(root: int) -> list:
     return tree
 
 
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of a process so far, in clock ticks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
 def _rss_pss_kib(pid: int) -> tuple:
     rss = pss = 0
     try:
@@ -315,12 +326,14 @@ def _rss_pss_kib(pid: int) -> tuple:
 
 
 class TreeMemory(threading.Thread):
-    """Samples the summed RSS and PSS of a process and all its descendants; keeps the peaks and the process count."""
+    """Samples the summed RSS and PSS of a process and all its descendants; keeps the peaks, the process count and
+    the last CPU time seen of each process (a process's CPU after its last sample, at most 0.2 s, is missed)."""
 
     def __init__(self, pid: int, interval_s: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.pid, self.interval_s = pid, interval_s
         self.peak_rss_kib = self.peak_pss_kib = self.max_processes = self.samples = 0
+        self.cpu_ticks: dict = {}
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -330,6 +343,8 @@ class TreeMemory(threading.Thread):
             self.peak_rss_kib = max(self.peak_rss_kib, sum(s[0] for s in sizes))
             self.peak_pss_kib = max(self.peak_pss_kib, sum(s[1] for s in sizes))
             self.max_processes = max(self.max_processes, len(tree))
+            for pid in tree:
+                self.cpu_ticks[pid] = max(self.cpu_ticks.get(pid, 0), _cpu_ticks(pid))
             self.samples += 1
             self.stopping.wait(self.interval_s)
 
@@ -424,6 +439,9 @@ def run_system(system: str, args, data: Path, workdir: Path, number: int, refere
     result.update({"system": system, "peak_rss_mib": round(monitor.peak_rss_kib / 1024, 1),
                    "peak_pss_mib": round(monitor.peak_pss_kib / 1024, 1), "max_processes": monitor.max_processes,
                    "memory_samples": monitor.samples, "load_1min_before": round(load_before, 1),
+                   "cpu_s_main_process": round(monitor.cpu_ticks.get(proc.pid, 0) / os.sysconf("SC_CLK_TCK"), 1),
+                   "cpu_s_descendants": round(sum(t for pid, t in monitor.cpu_ticks.items() if pid != proc.pid)
+                                              / os.sysconf("SC_CLK_TCK"), 1),
                    "leftover_processes_killed": len(left)})
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(ray_temp, ignore_errors=True)
@@ -436,10 +454,14 @@ def run_system(system: str, args, data: Path, workdir: Path, number: int, refere
 # the profile: where each system's time per batch goes, measured in one process
 
 
-def profile(data: Path, batch_size: int, batches: int = 100) -> dict:
-    """Seconds per 1,000 rows of each step of the read path and of the model, in this process, single thread."""
+def profile(data: Path, batch_size: int, batches: int = 200, rounds: int = 3) -> dict:
+    """Milliseconds per 1,000 rows of each step of the two Lightning read paths, of Lightning's batch transfer and
+    of the model, measured in this process on one thread (the package's own classes for ElasticPredict's path);
+    each step is timed in ``rounds`` rounds and the fastest is kept (the least disturbed by other jobs)."""
     import numpy as np
+    import pyarrow.parquet as pq
     import torch
+    from lightning.fabric.utilities.apply_func import move_data_to_device
 
     from lightning_paro.predict import ParquetSource
     from lightning_paro.predict.batch import BatchTicket
@@ -447,47 +469,80 @@ def profile(data: Path, batch_size: int, batches: int = 100) -> dict:
     from lightning_paro.predict.sources import SourceDataset, source_layout
 
     torch.set_num_threads(1)
-    source = ParquetSource(str(data), columns=FEATURES + ["id"], key="id")
-    layout = source_layout(source)
+    cpu = torch.device("cpu")
+    model = build_mlp()
+
+    def fresh():
+        source = ParquetSource(str(data), columns=FEATURES + ["id"], key="id")
+        return source, source_layout(source)
+
+    _, layout = fresh()
     batches = min(batches, layout.num_rows // batch_size)
-    dataset = SourceDataset(source, layout)
-    collate = ElasticCollate(collate_rows, "id")
+    rows = batches * batch_size
     tickets = [BatchTicket(0, 0, 0, tuple(range(b * batch_size, (b + 1) * batch_size)), False, 1)
                for b in range(batches)]
-    rows = batches * batch_size
-    out: dict = {"rows": rows}
 
-    t = time.perf_counter()
-    loaded = [dataset.__getitems__(ticket) for ticket in tickets]
-    out["elastic_read_rows_as_dicts"] = time.perf_counter() - t
-    t = time.perf_counter()
-    collated = [collate(item) for item in loaded]
-    out["elastic_collate"] = time.perf_counter() - t
-    import pyarrow.parquet as pq
+    def one_round() -> dict:
+        steps: dict = {}
 
-    t = time.perf_counter()
-    tables = []
-    count = 0
-    for unit in layout.units:
-        path, _, group, _ = unit.ref
-        tables.append(pq.ParquetFile(path).read_row_group(group, columns=FEATURES + ["id"]))
-        count += unit.rows
-        if count >= rows:
-            break
-    out["arrow_read_row_groups"] = time.perf_counter() - t
-    t = time.perf_counter()
-    for table in tables:
-        for batch in table.to_batches(max_chunksize=batch_size):
-            np.stack([batch.column(name).to_numpy() for name in FEATURES], axis=1)
-    out["plain_columns_to_array"] = time.perf_counter() - t
-    model = build_mlp()
-    t = time.perf_counter()
-    with torch.inference_mode():
-        for batch in collated:
-            model(batch.data)
-    out["model"] = time.perf_counter() - t
-    per_1k = {k: round(v / rows * 1000 * 1000, 2) for k, v in out.items() if k != "rows"}
-    return {"rows": rows, "batch_size": batch_size, "ms_per_1000_rows": per_1k}
+        def timed(name, fn):
+            t = time.perf_counter()
+            value = fn()
+            steps[name] = time.perf_counter() - t
+            return value
+
+        # ElasticPredict's read path as its DataLoader workers run it: SourceDataset.__getitems__ (the pieces of
+        # row groups a batch covers, ParquetSource.read: row group read, slice, to_pylist, the id of each row)
+        source, layout = fresh()
+        dataset = SourceDataset(source, layout)
+        loaded = timed("elastic: SourceDataset.__getitems__ (the whole read, rows as dicts)",
+                       lambda: [dataset.__getitems__(ticket) for ticket in tickets])
+        source, layout = fresh()
+        pieces = [(layout.units[u], lo, hi) for ticket in tickets
+                  for u, lo, hi in layout.pieces(ticket.indices[0], ticket.indices[-1] + 1)]
+        timed("elastic: of which row groups read as Arrow (ParquetSource._row_group)",
+              lambda: [source._row_group(unit) for unit, _, _ in pieces])
+        timed("elastic: of which Arrow slices to Python dicts (to_pylist)",
+              lambda: [source._row_group(unit).slice(lo, hi - lo).to_pylist() for unit, lo, hi in pieces])
+        ids_only = ElasticCollate(lambda samples: None, "id")
+        timed("elastic: ElasticCollate's id of each row", lambda: [ids_only(item) for item in loaded])
+        tensors = timed("elastic: the user's collate_fn (dicts to a float32 tensor)",
+                        lambda: [collate_rows(item.samples) for item in loaded])
+        # Lightning's batch transfer (LightningModule.transfer_batch_to_device -> move_data_to_device), run on every
+        # batch in the main process: on the ElasticBatch the callback's DataLoader yields (the user's tensor, the
+        # per-row lists of indices and ids, the ticket with its tuple of indices), and on the plain anchor's batch
+        collate = ElasticCollate(collate_rows, "id")
+        wrapped = [collate(item) for item in loaded]
+        timed("elastic: Lightning's batch transfer of the ElasticBatch (main process)",
+              lambda: [move_data_to_device(batch, cpu) for batch in wrapped])
+        plain_batches = [{"x": x, "id": torch.arange(len(x))} for x in tensors]
+        timed("plain: Lightning's batch transfer of the batch (main process)",
+              lambda: [move_data_to_device(batch, cpu) for batch in plain_batches])
+
+        # the plain anchor's read path: iter_batches over the files, columns stacked into a float32 tensor
+        def plain_read() -> None:
+            done = 0
+            for path in sorted(data.glob("*.parquet")):
+                for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=FEATURES + ["id"]):
+                    torch.from_numpy(np.stack([batch.column(name).to_numpy() for name in FEATURES], axis=1))
+                    np.array(batch.column("id").to_numpy())
+                    done += batch.num_rows
+                    if done >= rows:
+                        return
+
+        timed("plain: iter_batches + columns stacked to a float32 tensor", plain_read)
+
+        def forward() -> None:
+            with torch.inference_mode():
+                for x in tensors:
+                    model(x)
+
+        timed("model (the MLP's forward, 1 thread)", forward)
+        return steps
+
+    measured = [one_round() for _ in range(rounds)]
+    return {"rows": rows, "batch_size": batch_size, "rounds": rounds,
+            "ms_per_1000_rows": {k: round(min(m[k] for m in measured) / rows * 1e6, 2) for k in measured[0]}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -528,7 +583,14 @@ def summarize(runs: list) -> dict:
             "peak_rss_mib_median": _median([r["peak_rss_mib"] for r in mine]),
             "all_exactly_once": bool(mine) and all(r["exactly_once"] and r["scores_match"] for r in mine),
             "rows_checked": [r["rows"] for r in mine],
+            "cpu_s_main_process_median": _median([r["cpu_s_main_process"] for r in mine if "cpu_s_main_process" in r]),
+            "cpu_s_main_process_in_run_median": _median(
+                [r["cpu_s_main_process_in_run"] for r in mine if "cpu_s_main_process_in_run" in r]),
+            "cpu_s_descendants_median": _median([r["cpu_s_descendants"] for r in mine if "cpu_s_descendants" in r]),
         }
+        if system == "ray":
+            summary[system]["rows_per_s_after_ray_init_median"] = _median(
+                [r["rows"] / (r["seconds"] - r["ray_init_seconds"]) for r in mine])
         ratios = []
         for p in sorted({r["pass"] for r in runs}):
             here = {r["system"]: r for r in runs if r["pass"] == p and "error" not in r}
@@ -552,37 +614,38 @@ def render(results: dict) -> str:
         f"Passes: {s['repeats']}, the systems interleaved in a rotating order. Finished {results['finished_at']}.",
         "",
         "| system | rows/s (median) | rows/s, each run | vs ElasticPredict (median of per-pass ratios) | "
-        "peak PSS MiB, job tree (median) | peak RSS MiB, job tree (median) | runs | output check |",
-        "|---|---|---|---|---|---|---|---|",
+        "peak PSS MiB, whole job (median) | peak RSS MiB, whole job (median) | CPU s, main process during the "
+        "run / its descendants (median) | runs | output check |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for system in SYSTEMS:
         if system not in s["systems"]:
             continue
         r = results["summary"][system]
         if not r["runs"]:
-            lines.append(f"| {LABELS[system]} | failed | | | | | 0 | |")
+            lines.append(f"| {LABELS[system]} | failed | | | | | | 0 | |")
             continue
         check = (f"{r['rows_checked'][0]:,} rows, every id once, scores match" if r["all_exactly_once"]
                  else "MISMATCH (see sources.json)")
         ratio = r["ratio_to_elastic_median"]
+        cpu = ""
+        if r.get("cpu_s_main_process_in_run_median") is not None:
+            cpu = f"{r['cpu_s_main_process_in_run_median']:.1f} / {r['cpu_s_descendants_median']:.1f}"
+        elif r.get("cpu_s_main_process_median") is not None:
+            cpu = f"{r['cpu_s_main_process_median']:.1f} (with imports) / {r['cpu_s_descendants_median']:.1f}"
         lines.append(
             f"| {LABELS[system]} | {r['rows_per_s_median']:,.0f} | {', '.join(f'{x:,.0f}' for x in r['rows_per_s_all'])}"
-            f" | {ratio:.2f}x | {r['peak_pss_mib_median']:,.0f} | {r['peak_rss_mib_median']:,.0f} | {r['runs']} | "
-            f"{check} |")
+            f" | {ratio:.2f}x | {r['peak_pss_mib_median']:,.0f} | {r['peak_rss_mib_median']:,.0f} | {cpu} | "
+            f"{r['runs']} | {check} |")
+    ray = results["summary"].get("ray", {})
+    if ray.get("rows_per_s_after_ray_init_median"):
+        lines += ["", f"Ray's time includes `ray.init` (median {statistics.median(r['ray_init_seconds'] for r in results['runs'] if r['system'] == 'ray' and 'error' not in r):.1f} s); "
+                  f"without it Ray's median is {ray['rows_per_s_after_ray_init_median']:,.0f} rows/s."]
     prof = results.get("profile")
     if prof:
-        p = prof["ms_per_1000_rows"]
-        lines += [
-            "",
-            f"Profile, one process, one thread, {prof['rows']:,} rows in batches of {prof['batch_size']} "
-            "(ms per 1,000 rows):",
-            "",
-            f"* ElasticPredict's read path: ParquetSource rows as dicts (row group read + `to_pylist` + ids) "
-            f"{p['elastic_read_rows_as_dicts']}, collate (ids + features to a tensor) {p['elastic_collate']}",
-            f"* plain anchor's read path: row groups read as Arrow {p['arrow_read_row_groups']}, columns to a "
-            f"float32 array {p['plain_columns_to_array']}",
-            f"* the model: {p['model']}",
-        ]
+        lines += ["", f"Profile, one process, one thread, {prof['rows']:,} rows in batches of {prof['batch_size']} "
+                  f"(ms per 1,000 rows, the fastest of {prof.get('rounds', 1)} rounds):", ""]
+        lines += [f"* {step}: {ms}" for step, ms in prof["ms_per_1000_rows"].items()]
     return "\n".join(lines)
 
 
