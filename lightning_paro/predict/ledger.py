@@ -9,13 +9,16 @@ by bisection instead of sinking its whole shard).
 
 from __future__ import annotations
 
-import time
 import json
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Optional, Sequence, Union
 
 from lightning_paro.predict.db import POSTGRES, Database
+
+log = logging.getLogger(__name__)
 
 TODO, LEASED, COMMITTED, POISONED, SPLIT = "todo", "leased", "committed", "poisoned", "split"
 
@@ -148,10 +151,8 @@ class ShardRecord:
         return self.end_row - self.start_row
 
 
-_SHARD_COLUMNS = (
-    "shard_id, start_row, end_row, state, owner, lease_expires, attempts, rows_written, rows_failed, "
-    "file, error, committed_at, committed_by"
-)
+_SHARD_FIELDS = tuple(f.name for f in fields(ShardRecord))
+_SHARD_COLUMNS = ", ".join(_SHARD_FIELDS)
 
 
 def describe_input_change(stored: list, given: list, limit: int = 3) -> str:
@@ -247,7 +248,25 @@ class Ledger:
                 _SHARD_INSERT_COLUMNS,
                 ((self.job, i, start, end, TODO, 0) for i, (start, end) in enumerate(ranges)),
             )
-            return True
+        self._refresh_statistics()
+        return True
+
+    def _refresh_statistics(self) -> None:
+        """On PostgreSQL, brings the planner's statistics up to date after a job's shards were inserted.
+
+        With statistics from before the insert (a few rows per job), PostgreSQL plans a lease as a walk over all
+        the job's shards by primary key and a sort, whose cost grows with the job; with fresh statistics it takes
+        the state index. Best effort: a failure (a concurrent VACUUM holding the table, no right to analyse it)
+        leaves the statistics to autovacuum.
+        """
+        if self.db.dialect is not POSTGRES:
+            return
+        try:
+            with self.db.transaction(None, exclusive=False) as tx:
+                tx.execute("SET LOCAL lock_timeout = '2s'")
+                tx.execute("ANALYZE paro_predict_shards")
+        except Exception as exc:
+            log.info("could not refresh the statistics of the prediction ledger at %s: %s", self.display_location, exc)
 
     def _check_inputs(self, stored: Optional[list], given: Optional[list]) -> None:
         """Refuses to resume a job whose source units differ from those it started with."""
@@ -349,11 +368,15 @@ class Ledger:
                     return Lease(shard_id, start, end, attempts, speculative=True)
 
             # the job is done when no shard is todo or leased (a todo shard skipped above is being leased by another
-            # worker): index probes that stop at the first such shard, not a count of the remaining shards
-            pending = tx.fetchone(
-                "SELECT 1 FROM paro_predict_shards WHERE job = ? AND state IN (?, ?) LIMIT 1", (self.job, TODO, LEASED)
-            )
-            return LeaseWait.WAIT if pending is not None else LeaseWait.DONE
+            # worker): index probes that stop at the first such shard, not a count of the remaining shards (the
+            # ORDER BY keeps PostgreSQL on the state index even when its statistics think most shards are todo)
+            for state in (LEASED, TODO):
+                if tx.fetchone(
+                    "SELECT 1 FROM paro_predict_shards WHERE job = ? AND state = ? ORDER BY start_row, shard_id LIMIT 1",
+                    (self.job, state),
+                ) is not None:
+                    return LeaseWait.WAIT
+            return LeaseWait.DONE
 
     def _isolate(self, tx, shard_id: int, start: int, end: int, attempts: int) -> None:
         """Splits a repeatedly failing shard in two, or poisons it when it is a single row."""
@@ -440,24 +463,15 @@ class Ledger:
             sql += " AND state IN (" + ", ".join("?" for _ in states) + ")"
             params.extend(states)
         rows = self.db.query(sql + " ORDER BY start_row, shard_id", params)
-        return [
-            ShardRecord(
-                shard_id=int(r[0]),
-                start_row=int(r[1]),
-                end_row=int(r[2]),
-                state=r[3],
-                owner=r[4],
-                lease_expires=r[5],
-                attempts=int(r[6]),
-                rows_written=None if r[7] is None else int(r[7]),
-                rows_failed=None if r[8] is None else int(r[8]),
-                file=r[9],
-                error=r[10],
-                committed_at=r[11],
-                committed_by=r[12],
-            )
-            for r in rows
-        ]
+        # a status read of a 100,000-shard job builds 100,000 records: filled in one step each, not field by field
+        # through the frozen dataclass's __init__ (the drivers return ints for the integer columns)
+        make, fill, names = object.__new__, object.__setattr__, _SHARD_FIELDS
+        records = []
+        for r in rows:
+            record = make(ShardRecord)
+            fill(record, "__dict__", dict(zip(names, r)))
+            records.append(record)
+        return records
 
     def failed_rows(self) -> int:
         """Rows isolated as poison so far, over the whole job."""
