@@ -457,7 +457,8 @@ def run_system(system: str, args, data: Path, workdir: Path, number: int, refere
 def profile(data: Path, batch_size: int, batches: int = 200, rounds: int = 3) -> dict:
     """Milliseconds per 1,000 rows of each step of the two Lightning read paths, of Lightning's batch transfer and
     of the model, measured in this process on one thread (the package's own classes for ElasticPredict's path);
-    each step is timed in ``rounds`` rounds and the fastest is kept (the least disturbed by other jobs)."""
+    each step's CPU time (``time.process_time``: not inflated by other jobs taking the cores away) is measured in
+    ``rounds`` rounds and the smallest is kept."""
     import numpy as np
     import pyarrow.parquet as pq
     import torch
@@ -486,9 +487,9 @@ def profile(data: Path, batch_size: int, batches: int = 200, rounds: int = 3) ->
         steps: dict = {}
 
         def timed(name, fn):
-            t = time.perf_counter()
+            t = time.process_time()
             value = fn()
-            steps[name] = time.perf_counter() - t
+            steps[name] = time.process_time() - t
             return value
 
         # ElasticPredict's read path as its DataLoader workers run it: SourceDataset.__getitems__ (the pieces of
@@ -542,7 +543,7 @@ def profile(data: Path, batch_size: int, batches: int = 200, rounds: int = 3) ->
 
     measured = [one_round() for _ in range(rounds)]
     return {"rows": rows, "batch_size": batch_size, "rounds": rounds,
-            "ms_per_1000_rows": {k: round(min(m[k] for m in measured) / rows * 1e6, 2) for k in measured[0]}}
+            "ms_per_1000_rows": {k: round(min(m[k] for m in measured) / rows * 1e6, 3) for k in measured[0]}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -644,7 +645,7 @@ def render(results: dict) -> str:
     prof = results.get("profile")
     if prof:
         lines += ["", f"Profile, one process, one thread, {prof['rows']:,} rows in batches of {prof['batch_size']} "
-                  f"(ms per 1,000 rows, the fastest of {prof.get('rounds', 1)} rounds):", ""]
+                  f"(CPU ms per 1,000 rows, the smallest of {prof.get('rounds', 1)} rounds):", ""]
         lines += [f"* {step}: {ms}" for step, ms in prof["ms_per_1000_rows"].items()]
     return "\n".join(lines)
 
@@ -663,6 +664,8 @@ def main() -> None:
                         "bench/predict/.ray-venv, created when missing)")
     parser.add_argument("--ensure-ray", action="store_true", help="only create the Ray environment if missing")
     parser.add_argument("--report", action="store_true", help="only re-render sources.md from sources.json")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="only (re)measure the profile, on a freshly generated input, into sources.json")
     parser.add_argument("--results", default=str(RESULTS))
     # one system's run (internal)
     parser.add_argument("--system", choices=SYSTEMS)
@@ -677,6 +680,13 @@ def main() -> None:
         sources_bench.system_main(args)
         return
     results_dir = Path(args.results)
+    if args.profile_only:
+        results = json.loads((results_dir / "sources.json").read_text())
+        with tempfile.TemporaryDirectory(prefix="predict-sources-profile-") as tmp:
+            generate_input(Path(tmp), args.rows, args.files, args.seed)
+            results["profile"] = profile(Path(tmp), args.batch_size)
+        (results_dir / "sources.json").write_text(json.dumps(results, indent=1))
+        args.report = True
     if args.report:
         results = json.loads((results_dir / "sources.json").read_text())
         (results_dir / "sources.md").write_text(render(results) + "\n")
