@@ -13,13 +13,18 @@ from lightning_paro.predict.batch import BatchTicket, ElasticBatch, RowFailure
 
 
 class LoadedRows:
-    """The samples of one ticket that loaded, and the rows that raised."""
+    """The samples of one ticket that loaded, and the rows that raised.
 
-    def __init__(self, ticket: BatchTicket, samples: list, indices: list, failures: list) -> None:
+    A source that reads a range column by column hands over ``batch`` instead of ``samples``: the rows at
+    ``indices`` already collated, as ``default_collate`` would collate their samples.
+    """
+
+    def __init__(self, ticket: BatchTicket, samples: list, indices: list, failures: list, batch: Any = None) -> None:
         self.ticket = ticket
         self.samples = samples
         self.indices = indices
         self.failures = failures
+        self.batch = batch
 
 
 def load_row(dataset: Any, index: int, retries: int) -> tuple[Any, Optional[BaseException], str]:
@@ -98,6 +103,8 @@ class ElasticCollate:
         self.id_column = id_column
 
     def __call__(self, loaded: LoadedRows) -> ElasticBatch:
+        if loaded.batch is not None:
+            return self._collated(loaded)
         ids = None
         failures = list(loaded.failures)
         samples, indices = loaded.samples, loaded.indices
@@ -117,6 +124,21 @@ class ElasticCollate:
             samples, indices = kept_samples, kept_indices
         data = self.collate_fn(samples) if samples else None
         return ElasticBatch(data=data, ticket=loaded.ticket, indices=list(indices), ids=ids, failures=failures)
+
+    def _collated(self, loaded: LoadedRows) -> ElasticBatch:
+        """A batch the source read already collated: its ids are read from the id column as a whole."""
+        batch, indices = loaded.batch, list(loaded.indices)
+        failures = list(loaded.failures)
+        if self.id_column is None:
+            return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, failures=failures)
+        try:
+            column = batch[self.id_column]
+        except (KeyError, TypeError, IndexError) as exc:  # as on the per-row path: every row lacks its id
+            failures.extend(RowFailure(i, i, "dataset", f"id column {self.id_column!r} missing: {exc!r}", "")
+                            for i in indices)
+            return ElasticBatch(data=None, ticket=loaded.ticket, indices=[], ids=[], failures=failures)
+        ids = column.tolist() if hasattr(column, "tolist") else [_plain(v) for v in column]
+        return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, ids=ids, failures=failures)
 
 
 def _plain(value: Any) -> Any:

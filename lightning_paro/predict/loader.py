@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_paro.predict.dataset import ElasticCollate, ElasticDataset
 from lightning_paro.predict.sampler import ShardBatchSampler
@@ -52,13 +52,16 @@ def sharded_dataloader(
 ) -> DataLoader:
     """A DataLoader with ``loader``'s reading settings whose batches come from leased shards.
 
-    With ``layout`` the dataset is a sharded source, read a unit range at a time instead of row by row.
+    With ``layout`` the dataset is a sharded source, read a unit range at a time instead of row by row; when the
+    loader collates with ``default_collate`` (no ``collate_fn`` given) and the source can read a range as a
+    batch (``read_batch``), batches are read that way. A ``collate_fn`` of the user's expects rows, so it gets rows.
     """
     workers = loader.num_workers
     if layout is None:
         dataset = ElasticDataset(loader.dataset, row_retries=row_retries, fetch_threads=fetch_threads)
     else:
-        dataset = SourceDataset(loader.dataset, layout, row_retries=row_retries, fetch_threads=fetch_threads)
+        dataset = SourceDataset(loader.dataset, layout, row_retries=row_retries, fetch_threads=fetch_threads,
+                                batched=loader.collate_fn is default_collate)
     return DataLoader(
         dataset,
         batch_sampler=sampler,

@@ -76,6 +76,10 @@ class ParquetSource(ShardedSource):
             (default: ``key`` when given, else ``"input_id"``).
         transform: called on each row's dict (column name to Python value) in the DataLoader worker; it
             returns the sample (a dict; the id is added if missing). A row it raises on is isolated.
+
+    Without ``transform``, and when the DataLoader has no ``collate_fn`` of its own, batches are read column by
+    column (``read_batch``): the same dict of tensors and lists ``default_collate`` makes of the rows, built
+    from Arrow arrays via NumPy with no Python object per row, except for string columns and ids.
     """
 
     def __init__(
@@ -141,11 +145,77 @@ class ParquetSource(ShardedSource):
                 self._cache.popitem(last=False)
         return table
 
+    def read_batch(self, unit: SourceUnit, start: int, stop: int) -> Optional[dict]:
+        """Rows ``[start, stop)`` of the row group as the batch ``default_collate`` makes of their dicts: numbers as
+        1-D tensors (floats as float64, integers as int64, booleans as bool), strings and bytes as lists, the id
+        column last when it is not a column. None (read row by row) with a ``transform``, nulls or other types."""
+        import torch
+
+        if self.transform is not None:
+            return None
+        table = self._row_group(unit).slice(start, stop - start)
+        batch: dict = {}
+        for name, column in zip(table.column_names, table.columns):
+            value = _collated_column(column)
+            if value is None:
+                return None
+            batch[name] = value
+        if self.id_column not in batch:
+            if self.key is not None:
+                key = batch[self.key]  # each row carries its key twice, as two collated columns
+                batch[self.id_column] = key.clone() if isinstance(key, torch.Tensor) else list(key)
+            else:
+                _, name, _, first = unit.ref
+                batch[self.id_column] = [f"{name}:{first + position}" for position in range(start, stop)]
+        return batch
+
     def read(self, unit: SourceUnit, start: int, stop: int) -> Iterator[dict]:
         rows = self._row_group(unit).slice(start, stop - start).to_pylist()
         for offset, row in enumerate(rows):
             row_id = row[self.key] if self.key is not None else self.row_id(unit, start + offset)
             yield _with_id(row, self.id_column, row_id, self.transform)
+
+
+def _collated_column(column: Any) -> Any:
+    """An Arrow column as ``default_collate`` collates its Python values, or None for a type it is not done for."""
+    import pyarrow as pa
+    import torch
+
+    if column.null_count:
+        return None  # a None in a row: default_collate's own outcome is what the per-row path gives
+    kind = column.type
+    if pa.types.is_floating(kind) and not pa.types.is_float16(kind):
+        return torch.from_numpy(_numbers(column, "float64"))
+    if pa.types.is_integer(kind) and not pa.types.is_uint64(kind):
+        return torch.from_numpy(_numbers(column, "int64"))
+    if pa.types.is_boolean(kind):
+        return torch.from_numpy(_numbers(column, "bool"))
+    if (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind)):
+        return column.to_pylist()
+    return None
+
+
+def _numbers(column: Any, dtype: str) -> Any:
+    """A null-free numeric or boolean Arrow column as a new writable NumPy array of ``dtype``, read from the
+    arrays' data buffers (``to_numpy`` would import pandas into every DataLoader worker)."""
+    import numpy as np
+    import pyarrow as pa
+
+    out = np.empty(len(column), dtype=dtype)
+    position = 0
+    for chunk in column.chunks:
+        n, data = len(chunk), chunk.buffers()[1]
+        if pa.types.is_boolean(chunk.type):
+            bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=chunk.offset + n, bitorder="little")
+            values = bits[chunk.offset:]
+        else:
+            letter = "f" if pa.types.is_floating(chunk.type) else "i" if pa.types.is_signed_integer(chunk.type) else "u"
+            item = np.dtype(f"={letter}{chunk.type.bit_width // 8}")
+            values = np.frombuffer(data, dtype=item, count=n, offset=chunk.offset * item.itemsize)
+        out[position:position + n] = values
+        position += n
+    return out
 
 
 class _LineSource(ShardedSource):

@@ -4,6 +4,10 @@ A source lists its units up front with their row counts; the job's row index spa
 concatenation of the units, so the ledger, the writer, the manifest and resume work unchanged on
 half-open ranges of it. Reading a range asks the source for the rows of one unit's sub-range at a
 time, so a unit is never loaded whole unless the source itself chooses to.
+
+A source that stores columns (Parquet) may also read a sub-range as one batch, already collated
+(``read_batch``): the batch of a ticket is then built from columns, without a Python object per row,
+and the per-row path remains for ranges the batched read cannot give (a row that raises included).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
+import torch
 from torch.utils.data import Dataset
 
 from lightning_paro.predict.batch import BatchTicket, RowFailure
@@ -53,6 +58,17 @@ class ShardedSource(Dataset):
     def read(self, unit: SourceUnit, start: int, stop: int) -> Iterable[Any]:
         """Yields rows ``start`` to ``stop`` (exclusive) of ``unit``, one sample each, streaming."""
         raise NotImplementedError
+
+    def read_batch(self, unit: SourceUnit, start: int, stop: int) -> Optional[dict]:
+        """Optional: rows ``start`` to ``stop`` (exclusive) of ``unit`` as one batch, or None to read them row by row.
+
+        The batch must be what ``torch.utils.data.default_collate`` makes of the rows ``read`` yields for the
+        range (the same keys in the same order, dtypes and shapes: a dict of tensors whose first dimension is
+        ``stop - start``, or of per-row lists such as strings), so ``predict_step`` cannot tell the two apart.
+        It is used only when the DataLoader has no ``collate_fn`` of its own; if it raises, the range is read
+        again row by row so that a failing row is isolated.
+        """
+        return None
 
     def row_id(self, unit: SourceUnit, position: int) -> str:
         """A stable name of row ``position`` of ``unit``, used for rows that fail before they are read."""
@@ -178,15 +194,63 @@ def read_piece(source: Any, unit: SourceUnit, start: int, stop: int, first_index
     return samples, failures
 
 
+def _rows_in(batch: Any) -> Optional[int]:
+    """The row count of a batch from ``read_batch`` (a dict of tensors and lists that agree), else None."""
+    if not isinstance(batch, dict) or not batch:
+        return None
+    sizes = set()
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            sizes.add(int(value.shape[0]))
+        elif isinstance(value, list):
+            sizes.add(len(value))
+        else:
+            return None
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def concat_batches(parts: list) -> Optional[dict]:
+    """The batches of consecutive pieces as one (tensors concatenated, lists joined), or None when they do not
+    line up (other keys, dtypes or row shapes: the rows' collation would then differ, so the per-row path decides)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    keys = list(first)
+    out = {}
+    for key in keys:
+        values = []
+        for part in parts:
+            if list(part) != keys:
+                return None
+            value = part[key]
+            if isinstance(first[key], torch.Tensor):
+                if (not isinstance(value, torch.Tensor) or value.dtype != first[key].dtype
+                        or value.shape[1:] != first[key].shape[1:]):
+                    return None
+            elif type(value) is not type(first[key]):
+                return None
+            values.append(value)
+        out[key] = torch.cat(values) if isinstance(first[key], torch.Tensor) else [v for part in values for v in part]
+    return out
+
+
 class SourceDataset(FetchPool, Dataset):
     """Reads tickets of a sharded source in DataLoader workers: the units a batch spans, concurrently
-    with ``fetch_threads > 1`` (one thread per unit piece), each streamed with per-row isolation."""
+    with ``fetch_threads > 1`` (one thread per unit piece), each streamed with per-row isolation.
 
-    def __init__(self, source: Any, layout: SourceLayout, row_retries: int = 1, fetch_threads: int = 1) -> None:
+    With ``batched`` (the DataLoader collates with ``default_collate``) and a source that has ``read_batch``,
+    a ticket is read as batches of its unit pieces, concatenated, and handed on already collated; a piece the
+    source does not read batched, or a batched read that raises or returns a wrong row count, sends the whole
+    ticket down the per-row path, which isolates the failing rows.
+    """
+
+    def __init__(self, source: Any, layout: SourceLayout, row_retries: int = 1, fetch_threads: int = 1,
+                 batched: bool = False) -> None:
         self.source = source
         self.layout = layout
         self.row_retries = row_retries
         self.fetch_threads = fetch_threads
+        self.batched = batched and callable(getattr(source, "read_batch", None))
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_pid = -1
 
@@ -215,9 +279,34 @@ class SourceDataset(FetchPool, Dataset):
         failures = [f for r in results for f in r[1]]
         return samples, failures
 
+    def _read_batched(self, start: int, stop: int) -> Optional[dict]:
+        """Rows ``[start, stop)`` as one collated batch, or None when the per-row path must read them."""
+        pieces = self.layout.pieces(start, stop)
+
+        def one(piece: tuple[int, int, int]) -> Optional[dict]:
+            unit_index, lo, hi = piece
+            batch = self.source.read_batch(self.layout.units[unit_index], lo, hi)
+            return batch if batch is not None and _rows_in(batch) == hi - lo else None
+
+        try:
+            if self.fetch_threads > 1 and len(pieces) > 1:
+                parts = list(self._executor().map(one, pieces))
+            else:
+                parts = [one(p) for p in pieces]
+        except Exception:  # a poison row, a failed read: the per-row path reads the range again and isolates it
+            return None
+        if not parts or any(p is None for p in parts):
+            return None
+        return concat_batches(parts)
+
     def __getitems__(self, ticket: BatchTicket) -> LoadedRows:
         if not ticket.indices:
             return LoadedRows(ticket, [], [], [])
         # a ticket is a contiguous range of one shard (see sampler.tickets_for_lease)
-        samples, failures = self._read(ticket.indices[0], ticket.indices[-1] + 1)
+        start, stop = ticket.indices[0], ticket.indices[-1] + 1
+        if self.batched:
+            batch = self._read_batched(start, stop)
+            if batch is not None:
+                return LoadedRows(ticket, [], list(range(start, stop)), [], batch=batch)
+        samples, failures = self._read(start, stop)
         return LoadedRows(ticket, [s for _, s in samples], [i for i, _ in samples], failures)

@@ -1,0 +1,212 @@
+"""Parquet read column by column: the batches equal the per-row path's after default collation, predictions are
+the same, a poison row inside a batched read is isolated, and a user's collate_fn keeps getting rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from lightning_paro.predict import ParquetSource, read_errors, read_predictions
+from lightning_paro.predict.batch import BatchTicket
+from lightning_paro.predict.dataset import ElasticCollate
+from lightning_paro.predict.sources import SourceDataset, source_layout
+from predict_app import JobSpec, make_callback
+
+# rows per row group: small groups packed into one shard, so batches of 10 span several of them
+LAYOUT = {"a.parquet": [7, 23, 55], "b/c.parquet": [1, 2, 3, 90], "d.parquet": [13, 40]}
+SCHEMA = pa.schema([("x", pa.float32()), ("w", pa.float64()), ("n", pa.int32()), ("k", pa.int64()),
+                    ("flag", pa.bool_()), ("note", pa.string())])
+
+
+def write_inputs(root: Path) -> dict:
+    """Writes the files; returns ``{input id: x}``, with a distinct integral ``x`` per row."""
+    expected, x = {}, 0
+    for name, groups in LAYOUT.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with pq.ParquetWriter(path, SCHEMA) as writer:
+            position = 0
+            for rows in groups:
+                xs = [float(x + i) for i in range(rows)]
+                writer.write_table(pa.table({
+                    "x": xs, "w": [v / 7 for v in xs], "n": [int(v) % 5 - 2 for v in xs],
+                    "k": [10_000_000_000 + int(v) for v in xs], "flag": [int(v) % 3 == 0 for v in xs],
+                    "note": [f"n{int(v)}" for v in xs]}, schema=SCHEMA))
+                for v in xs:
+                    expected[f"{name}:{position}"] = v
+                    position += 1
+                x += rows
+    return expected
+
+
+CALLS: dict = {"read": 0, "read_batch": 0, "batched_rows": 0}
+
+
+class CountingParquet(ParquetSource):
+    """Counts the calls of each read path (the job runs in this process: ``num_workers=0``)."""
+
+    def read(self, unit, start, stop):
+        CALLS["read"] += 1
+        yield from super().read(unit, start, stop)
+
+    def read_batch(self, unit, start, stop):
+        CALLS["read_batch"] += 1
+        batch = self.batch_of(unit, start, stop)
+        if batch is not None:
+            CALLS["batched_rows"] += stop - start
+        return batch
+
+    def batch_of(self, unit, start, stop):
+        return ParquetSource.read_batch(self, unit, start, stop)
+
+
+POISON_X = 50.0  # inside the 55-row group of a.parquet, mid-range of a batched read
+
+
+class PoisonParquet(CountingParquet):
+    """Row x == 50 cannot be decoded: the batched read of any range holding it raises, the row stream dies at it."""
+
+    def read(self, unit, start, stop):
+        for row in super().read(unit, start, stop):
+            if row["x"] == POISON_X:
+                raise ValueError("corrupt record x=50")
+            yield row
+
+    def batch_of(self, unit, start, stop):
+        batch = super().batch_of(unit, start, stop)
+        if batch is not None and bool((batch["x"] == POISON_X).any()):
+            raise ValueError("corrupt page")
+        return batch
+
+
+class Scorer(L.LightningModule):
+    """Predictions that depend on every column type the batch carries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1, dtype=torch.float64)
+        with torch.no_grad():
+            self.layer.weight.fill_(3.0)
+            self.layer.bias.fill_(1.0)
+
+    def predict_step(self, batch, batch_idx):
+        return {"y": self.layer(batch["x"][:, None])[:, 0], "w": batch["w"], "n": batch["n"] * 2,
+                "flag": batch["flag"], "note_len": torch.tensor([len(s) for s in batch["note"]]),
+                "dtypes": [f"{batch['x'].dtype},{batch['n'].dtype},{batch['flag'].dtype}"] * len(batch["note"])}
+
+
+def rows_collate(rows: list):
+    """A user's own collate_fn (here the default one, wrapped): the per-row path must keep feeding it rows."""
+    return default_collate(rows)
+
+
+def run(out: Path, source, collate_fn=None, **extra) -> None:
+    spec = JobSpec(output_dir=str(out), batch_size=10, shard_size=40, max_failed_rows=2, extra=extra)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[make_callback(spec)],
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    loader = DataLoader(source, batch_size=spec.batch_size, num_workers=0, collate_fn=collate_fn)
+    trainer.predict(Scorer(), dataloaders=loader)
+
+
+def reset_calls() -> None:
+    CALLS.update(read=0, read_batch=0, batched_rows=0)
+
+
+def assert_same_batch(fast, rows) -> None:
+    assert list(fast) == list(rows)
+    for key in rows:
+        if isinstance(rows[key], torch.Tensor):
+            assert isinstance(fast[key], torch.Tensor), key
+            assert fast[key].dtype == rows[key].dtype and fast[key].shape == rows[key].shape, key
+            assert torch.equal(fast[key], rows[key]), key
+        else:
+            assert type(fast[key]) is type(rows[key]) and fast[key] == rows[key], key
+
+
+@pytest.mark.parametrize("options", [dict(), dict(columns=["x", "note"], key="k"),
+                                     dict(key="note", id_column="row_key"), dict(columns=["n", "flag", "w"])])
+def test_a_batched_read_collates_exactly_like_the_rows_across_units(tmp_path, options):
+    write_inputs(tmp_path)
+    source = ParquetSource(str(tmp_path), **options)
+    layout = source_layout(source)
+    fast = SourceDataset(source, layout, batched=True, fetch_threads=2)
+    rows = SourceDataset(source, layout)
+    collate = ElasticCollate(None, source.id_column)
+    # every batch of 10 (they cross row groups and files), odd ranges, a single row, the whole input
+    ranges = [(s, min(s + 10, layout.num_rows)) for s in range(0, layout.num_rows, 10)]
+    ranges += [(5, 39), (84, 86), (233, 234), (0, layout.num_rows)]
+    for start, stop in ranges:
+        ticket = BatchTicket(0, start, stop, tuple(range(start, stop)), False, 1)
+        loaded = fast.__getitems__(ticket)
+        assert loaded.batch is not None and loaded.samples == []
+        got, want = collate(loaded), collate(rows.__getitems__(ticket))
+        assert got.indices == want.indices == list(range(start, stop))
+        assert got.ids == want.ids and got.failures == want.failures == []
+        assert_same_batch(got.data, want.data)
+    assert got.ids[:3] == ([10_000_000_000, 10_000_000_001, 10_000_000_002] if "key" in options and options["key"] == "k"
+                           else ["n0", "n1", "n2"] if "key" in options else ["a.parquet:0", "a.parquet:1", "a.parquet:2"])
+
+
+def test_the_fast_path_predicts_what_the_per_row_path_predicts_and_is_taken(tmp_path):
+    expected = write_inputs(tmp_path / "in")
+    reset_calls()
+    run(tmp_path / "fast", CountingParquet(str(tmp_path / "in")), fetch_threads=2)
+    # every row was read column by column, none as a row dict
+    assert CALLS["read"] == 0 and CALLS["read_batch"] > 0 and CALLS["batched_rows"] == len(expected)
+    reset_calls()
+    run(tmp_path / "rows", CountingParquet(str(tmp_path / "in")), collate_fn=rows_collate, fetch_threads=2)
+    assert CALLS["read_batch"] == 0 and CALLS["read"] > 0
+
+    fast, rows = read_predictions(tmp_path / "fast"), read_predictions(tmp_path / "rows")
+    assert fast.equals(rows)
+    assert fast.column("row_id").to_pylist() == list(range(len(expected)))
+    assert dict(zip(fast.column("input_id").to_pylist(), fast.column("y").to_pylist())) == {
+        k: 3.0 * v + 1.0 for k, v in expected.items()}
+    assert set(fast.column("dtypes").to_pylist()) == {"torch.float64,torch.int64,torch.bool"}
+    assert read_errors(tmp_path / "fast") == read_errors(tmp_path / "rows") == []
+
+
+def test_a_transform_keeps_the_per_row_path(tmp_path):
+    write_inputs(tmp_path)
+    source = ParquetSource(str(tmp_path), columns=["x"], transform=lambda row: {"x": row["x"] * 2})
+    layout = source_layout(source)
+    ticket = BatchTicket(0, 0, 10, tuple(range(10)), False, 1)
+    loaded = SourceDataset(source, layout, batched=True).__getitems__(ticket)
+    assert loaded.batch is None and [s["x"] for s in loaded.samples] == [2.0 * i for i in range(10)]
+
+
+def test_a_poison_row_inside_a_batched_read_is_isolated_and_the_rest_predicted(tmp_path):
+    expected = write_inputs(tmp_path / "in")
+    reset_calls()
+    run(tmp_path / "out", PoisonParquet(str(tmp_path / "in")))
+    table = read_predictions(tmp_path / "out")
+    poison_id = next(k for k, v in expected.items() if v == POISON_X)
+    assert dict(zip(table.column("input_id").to_pylist(), table.column("y").to_pylist())) == {
+        k: 3.0 * v + 1.0 for k, v in expected.items() if k != poison_id}
+    (error,) = read_errors(tmp_path / "out")
+    assert error["row"] == poison_id == "a.parquet:50" and "corrupt record x=50" in error["error"]
+    assert error["stage"] == "dataset"
+    # only the batch holding the poison row went row by row; every other batch was read column by column
+    assert CALLS["batched_rows"] == len(expected) - 10
+    assert 0 < CALLS["read"] <= 3
+
+
+def test_a_custom_collate_fn_gets_row_dicts(tmp_path):
+    write_inputs(tmp_path / "in")
+    seen: list = []
+
+    def collate(rows):
+        seen.append(type(rows[0]).__name__)
+        assert isinstance(rows, list) and isinstance(rows[0], dict) and set(rows[0]) >= {"x", "note", "input_id"}
+        return default_collate(rows)
+
+    reset_calls()
+    run(tmp_path / "out", CountingParquet(str(tmp_path / "in")), collate_fn=collate)
+    assert CALLS["read_batch"] == 0 and set(seen) == {"dict"}
+    assert read_predictions(tmp_path / "out").num_rows == sum(sum(g) for g in LAYOUT.values())
