@@ -3,6 +3,7 @@
     bash bench/predict/run.sh --sources            # sets up the Ray environment if needed, then runs this
     python bench/predict/sources_bench.py [--rows 1000000] [--repeats 3] [--ray-python PY]
     python bench/predict/sources_bench.py --report  # re-renders sources.md from sources.json
+    python bench/predict/sources_bench.py --profile-only  # re-measures only the per-step CPU profile
 
 Generates a seeded Parquet input (several files, uneven row groups, 16 float32 features and an int64 id)
 in a temporary directory, then scores it with a 2-layer MLP with three systems, interleaved pass by pass:
@@ -16,8 +17,10 @@ in a temporary directory, then scores it with a 2-layer MLP with three systems, 
 
 Each run is a fresh process; its wall time covers start-up of the system (Trainer, DataLoader workers,
 ``ray.init``) up to the output being complete. Peak memory is sampled from ``/proc`` every 0.2 s over the run
-process and all its descendants (DataLoader workers; Ray's GCS, raylet and workers). Every output is checked
-against the input: same row count, every id exactly once, and each score equal to a NumPy reference.
+process and all its descendants (DataLoader workers; Ray's GCS, raylet and workers), with the CPU time of the
+main process during the run and of its descendants. Every output is checked against the input: same row count,
+every id exactly once, and each score equal to a NumPy reference. A profile then measures, in one process, the
+CPU time per 1,000 rows of each step of the two Lightning read paths, of Lightning's batch transfer and of the model.
 Writes ``bench/results/predict/sources.json`` and ``sources.md``.
 """
 
@@ -554,7 +557,7 @@ def ensure_ray(venv: Path) -> str:
     """The interpreter of the separate Ray environment, created (from PyPI) when missing."""
     python = venv / "bin" / "python"
     check = [str(python), "-c", "import ray, torch, pyarrow, numpy"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+    if python.exists() and subprocess.run(check, capture_output=True, check=False).returncode == 0:
         return str(python)
     print(f"setting up Ray in {venv} (separate from the project's environment)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -606,17 +609,17 @@ def render(results: dict) -> str:
     s, m, d = results["settings"], results["machine"], results["input"]
     groups = [g for f in d["files"] for g in f["row_groups"]]
     lines = [
-        f"Input: {d['rows']:,} rows in {len(d['files'])} Parquet files ({d['bytes'] / 2**20:.0f} MiB), "
-        f"{len(groups)} row groups of {min(groups):,} to {max(groups):,} rows; {NUM_FEATURES} float32 features "
-        f"and an int64 id (seed {s['seed']}). Model: MLP {NUM_FEATURES}-{HIDDEN}-1, torch threads 1. Batch "
-        f"{s['batch_size']}; Lightning systems: {s['loader_workers']} DataLoader workers; Ray: defaults "
-        f"(local, {results.get('ray_cpus')} CPUs). Machine: {m['cpus']} CPUs, no GPU, shared with other jobs "
-        f"(1-minute load average {m['load_1min_start']} at the start, {m['load_1min_end']} at the end). "
-        f"Passes: {s['repeats']}, the systems interleaved in a rotating order. Finished {results['finished_at']}.",
+        (f"Input: {d['rows']:,} rows in {len(d['files'])} Parquet files ({d['bytes'] / 2**20:.0f} MiB), "
+         f"{len(groups)} row groups of {min(groups):,} to {max(groups):,} rows; {NUM_FEATURES} float32 features "
+         f"and an int64 id (seed {s['seed']}). Model: MLP {NUM_FEATURES}-{HIDDEN}-1, torch threads 1. Batch "
+         f"{s['batch_size']}; Lightning systems: {s['loader_workers']} DataLoader workers; Ray: defaults "
+         f"(local, {results.get('ray_cpus')} CPUs). Machine: {m['cpus']} CPUs, no GPU, shared with other jobs "
+         f"(1-minute load average {m['load_1min_start']} at the start, {m['load_1min_end']} at the end). "
+         f"Passes: {s['repeats']}, the systems interleaved in a rotating order. Finished {results['finished_at']}."),
         "",
-        "| system | rows/s (median) | rows/s, each run | vs ElasticPredict (median of per-pass ratios) | "
-        "peak PSS MiB, whole job (median) | peak RSS MiB, whole job (median) | CPU s, main process during the "
-        "run / its descendants (median) | runs | output check |",
+        ("| system | rows/s (median) | rows/s, each run | vs ElasticPredict (median of per-pass ratios) | "
+         "peak PSS MiB, whole job (median) | peak RSS MiB, whole job (median) | CPU s, main process during the "
+         "run / its descendants (median) | runs | output check |"),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for system in SYSTEMS:
@@ -634,18 +637,21 @@ def render(results: dict) -> str:
             cpu = f"{r['cpu_s_main_process_in_run_median']:.1f} / {r['cpu_s_descendants_median']:.1f}"
         elif r.get("cpu_s_main_process_median") is not None:
             cpu = f"{r['cpu_s_main_process_median']:.1f} (with imports) / {r['cpu_s_descendants_median']:.1f}"
+        each = ", ".join(f"{x:,.0f}" for x in r["rows_per_s_all"])
         lines.append(
-            f"| {LABELS[system]} | {r['rows_per_s_median']:,.0f} | {', '.join(f'{x:,.0f}' for x in r['rows_per_s_all'])}"
+            f"| {LABELS[system]} | {r['rows_per_s_median']:,.0f} | {each}"
             f" | {ratio:.2f}x | {r['peak_pss_mib_median']:,.0f} | {r['peak_rss_mib_median']:,.0f} | {cpu} | "
             f"{r['runs']} | {check} |")
     ray = results["summary"].get("ray", {})
     if ray.get("rows_per_s_after_ray_init_median"):
-        lines += ["", f"Ray's time includes `ray.init` (median {statistics.median(r['ray_init_seconds'] for r in results['runs'] if r['system'] == 'ray' and 'error' not in r):.1f} s); "
-                  f"without it Ray's median is {ray['rows_per_s_after_ray_init_median']:,.0f} rows/s."]
+        init = statistics.median(r["ray_init_seconds"] for r in results["runs"]
+                                 if r["system"] == "ray" and "error" not in r)
+        lines += ["", (f"Ray's time includes `ray.init` (median {init:.1f} s); without it Ray's median is "
+                       f"{ray['rows_per_s_after_ray_init_median']:,.0f} rows/s.")]
     prof = results.get("profile")
     if prof:
-        lines += ["", f"Profile, one process, one thread, {prof['rows']:,} rows in batches of {prof['batch_size']} "
-                  f"(CPU ms per 1,000 rows, the smallest of {prof.get('rounds', 1)} rounds):", ""]
+        lines += ["", (f"Profile, one process, one thread, {prof['rows']:,} rows in batches of {prof['batch_size']} "
+                       f"(CPU ms per 1,000 rows, the smallest of {prof.get('rounds', 1)} rounds):"), ""]
         lines += [f"* {step}: {ms}" for step, ms in prof["ms_per_1000_rows"].items()]
     return "\n".join(lines)
 
