@@ -9,7 +9,8 @@ Generates a seeded Parquet input (several files, uneven row groups, 16 float32 f
 in a temporary directory, then scores it with a 2-layer MLP with three systems, interleaved pass by pass:
 
 * ``elastic``: ``Trainer.predict`` with ``ElasticPredict(out)`` (default settings, SQLite ledger, Parquet output)
-  over ``ParquetSource`` (a unit per row group);
+  over ``ParquetSource`` (a unit per row group), the DataLoader's default collate (columns read as batches);
+* ``elastic_rows``: the same with a ``collate_fn`` of the user's, which gets the rows as dicts;
 * ``ray``: ``ray.data.read_parquet(dir).map_batches(model_fn, batch_size=B).write_parquet(out)``, local Ray on
   the CPU, run with an interpreter from a separate environment (``--ray-python``; never the project's);
 * ``plain``: ``Trainer.predict`` over an ``IterableDataset`` streaming the files with pyarrow ``iter_batches``
@@ -51,9 +52,10 @@ NUM_FEATURES = 16
 FEATURES = [f"f{i:02d}" for i in range(NUM_FEATURES)]
 HIDDEN = 64
 ID_BASE = 1_000_000_000
-SYSTEMS = ("elastic", "ray", "plain")
+SYSTEMS = ("elastic", "elastic_rows", "ray", "plain")
 LABELS = {
     "elastic": "ElasticPredict over ParquetSource (defaults, SQLite ledger)",
+    "elastic_rows": "ElasticPredict over ParquetSource with a user collate_fn (rows as dicts)",
     "ray": "Ray Data read_parquet + map_batches + write_parquet",
     "plain": "Trainer.predict over an IterableDataset (iter_batches) + BasePredictionWriter",
 }
@@ -143,7 +145,14 @@ def collate_rows(rows: list):
     return torch.from_numpy(np.array([[row[name] for name in FEATURES] for row in rows], dtype=np.float32))
 
 
-def run_elastic(data: str, out: str, batch_size: int, workers: int) -> dict:
+def features_of(batch: dict):
+    """predict_step's input with the default collate: the 16 feature columns (float64 tensors) as float32."""
+    import torch
+
+    return torch.stack([batch[name] for name in FEATURES], dim=1).float()
+
+
+def run_elastic(data: str, out: str, batch_size: int, workers: int, per_row: bool = False) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -155,11 +164,14 @@ def run_elastic(data: str, out: str, batch_size: int, workers: int) -> dict:
             self.mlp = build_mlp()
 
         def predict_step(self, batch, batch_idx):
-            return {"score": self.mlp(batch)[:, 0]}
+            return {"score": self.mlp(batch if per_row else features_of(batch))[:, 0]}
 
     start, cpu = time.perf_counter(), time.process_time()
     source = ParquetSource(data, columns=FEATURES + ["id"], key="id")
-    loader = DataLoader(source, batch_size=batch_size, num_workers=workers, collate_fn=collate_rows)
+    if per_row:
+        loader = DataLoader(source, batch_size=batch_size, num_workers=workers, collate_fn=collate_rows)
+    else:
+        loader = DataLoader(source, batch_size=batch_size, num_workers=workers)
     _trainer([ElasticPredict(out)]).predict(Scorer(), dataloaders=loader)
     return {"seconds": time.perf_counter() - start, "cpu_s_main_process_in_run": time.process_time() - cpu}
 
@@ -267,8 +279,8 @@ def system_main(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if args.system == "elastic":
-        result = run_elastic(args.data, args.out, args.batch_size, args.loader_workers)
+    if args.system in ("elastic", "elastic_rows"):
+        result = run_elastic(args.data, args.out, args.batch_size, args.loader_workers, args.system == "elastic_rows")
     elif args.system == "plain":
         result = run_plain(args.data, args.out, args.batch_size, args.loader_workers)
     else:
@@ -377,7 +389,7 @@ def _leftovers(marker: str) -> list:
 def read_output(system: str, out: Path):
     import pyarrow.parquet as pq
 
-    if system == "elastic":
+    if system in ("elastic", "elastic_rows"):
         files = sorted(p for p in out.glob("*.parquet") if not p.name.startswith(("_", ".")))
     else:
         files = sorted(out.rglob("*.parquet"))
@@ -499,26 +511,39 @@ def profile(data: Path, batch_size: int, batches: int = 200, rounds: int = 3) ->
         # row groups a batch covers, ParquetSource.read: row group read, slice, to_pylist, the id of each row)
         source, layout = fresh()
         dataset = SourceDataset(source, layout)
-        loaded = timed("elastic: SourceDataset.__getitems__ (the whole read, rows as dicts)",
+        loaded = timed("elastic, user collate_fn: SourceDataset.__getitems__ (the whole read, rows as dicts)",
                        lambda: [dataset.__getitems__(ticket) for ticket in tickets])
         source, layout = fresh()
         pieces = [(layout.units[u], lo, hi) for ticket in tickets
                   for u, lo, hi in layout.pieces(ticket.indices[0], ticket.indices[-1] + 1)]
-        timed("elastic: of which row groups read as Arrow (ParquetSource._row_group)",
+        timed("elastic, user collate_fn: of which row groups read as Arrow (ParquetSource._row_group)",
               lambda: [source._row_group(unit) for unit, _, _ in pieces])
-        timed("elastic: of which Arrow slices to Python dicts (to_pylist)",
+        timed("elastic, user collate_fn: of which Arrow slices to Python dicts (to_pylist)",
               lambda: [source._row_group(unit).slice(lo, hi - lo).to_pylist() for unit, lo, hi in pieces])
         ids_only = ElasticCollate(lambda samples: None, "id")
-        timed("elastic: ElasticCollate's id of each row", lambda: [ids_only(item) for item in loaded])
-        tensors = timed("elastic: the user's collate_fn (dicts to a float32 tensor)",
+        timed("elastic, user collate_fn: ElasticCollate's id of each row", lambda: [ids_only(item) for item in loaded])
+        tensors = timed("elastic, user collate_fn: the collate_fn (row dicts to a float32 tensor)",
                         lambda: [collate_rows(item.samples) for item in loaded])
         # Lightning's batch transfer (LightningModule.transfer_batch_to_device -> move_data_to_device), run on every
         # batch in the main process: on the ElasticBatch the callback's DataLoader yields (the user's tensor, the
         # per-row lists of indices and ids, the ticket with its tuple of indices), and on the plain anchor's batch
         collate = ElasticCollate(collate_rows, "id")
         wrapped = [collate(item) for item in loaded]
-        timed("elastic: Lightning's batch transfer of the ElasticBatch (main process)",
+        timed("elastic, user collate_fn: Lightning's batch transfer of the ElasticBatch (main process)",
               lambda: [move_data_to_device(batch, cpu) for batch in wrapped])
+
+        # the defaults' path (no collate_fn): the source reads each ticket's pieces as column batches
+        source, layout = fresh()
+        batched = SourceDataset(source, layout, batched=True)
+        loaded_batched = timed("elastic, defaults: SourceDataset.__getitems__ (the whole read, as column batches)",
+                               lambda: [batched.__getitems__(ticket) for ticket in tickets])
+        default = ElasticCollate(None, "id")
+        wrapped_batched = timed("elastic, defaults: ElasticCollate (the ids from the id column)",
+                                lambda: [default(item) for item in loaded_batched])
+        timed("elastic, defaults: Lightning's batch transfer of the ElasticBatch (main process)",
+              lambda: [move_data_to_device(batch, cpu) for batch in wrapped_batched])
+        timed("elastic, defaults: predict_step's stack of the 16 columns into a float32 tensor",
+              lambda: [features_of(batch.data) for batch in wrapped_batched])
         plain_batches = [{"x": x, "id": torch.arange(len(x))} for x in tensors]
         timed("plain: Lightning's batch transfer of the batch (main process)",
               lambda: [move_data_to_device(batch, cpu) for batch in plain_batches])
