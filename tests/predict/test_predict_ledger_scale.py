@@ -186,3 +186,32 @@ def test_postgres_plans_of_lease_commit_and_renew_use_indexes_not_scans(postgres
             tx.execute("DELETE FROM paro_predict_shards WHERE job = ?", (job_name,))
             tx.execute("DELETE FROM paro_predict_jobs WHERE job = ?", (job_name,))
         ledger.close()
+
+
+def test_postgres_jobs_do_not_wait_for_each_others_locks(postgres_url, job_name):
+    """A transaction holding one job's lock (as job creation and shard splits do) leaves other jobs running."""
+    import threading
+
+    busy = Ledger(postgres_url, job_name + "-busy")
+    other = Ledger(postgres_url, job_name + "-other")
+    done = threading.Event()
+    try:
+        busy.ensure_job(10, 5)
+        with busy.db.transaction(busy.job):  # holds the busy job's advisory lock until the block ends
+
+            def work() -> None:
+                other.ensure_job(10, 5)
+                lease = other.lease("w", lease_ttl_s=30.0)
+                other.commit(lease.shard_id, "w", 5, 0, "f")
+                done.set()
+
+            thread = threading.Thread(target=work, daemon=True)
+            thread.start()
+            assert done.wait(timeout=20), "the other job waited for the busy job's lock"
+        thread.join(timeout=20)
+    finally:
+        for ledger in (busy, other):
+            with ledger.db.transaction(ledger.job) as tx:
+                tx.execute("DELETE FROM paro_predict_shards WHERE job = ?", (ledger.job,))
+                tx.execute("DELETE FROM paro_predict_jobs WHERE job = ?", (ledger.job,))
+            ledger.close()
