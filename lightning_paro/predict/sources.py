@@ -250,7 +250,9 @@ class SourceDataset(FetchPool, Dataset):
         self.layout = layout
         self.row_retries = row_retries
         self.fetch_threads = fetch_threads
-        self.batched = batched and callable(getattr(source, "read_batch", None))
+        # a source that keeps the base class's read_batch (which returns None) is read row by row at once
+        self.batched = (batched and callable(getattr(source, "read_batch", None))
+                        and getattr(type(source), "read_batch", None) is not ShardedSource.read_batch)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_pid = -1
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from lightning_paro.predict import ParquetSource, read_errors, read_predictions
+from lightning_paro.predict import JsonlSource, ParquetSource, read_errors, read_predictions
 from lightning_paro.predict.batch import BatchTicket
 from lightning_paro.predict.dataset import ElasticCollate
 from lightning_paro.predict.sources import SourceDataset, source_layout
@@ -179,6 +179,15 @@ def test_a_transform_keeps_the_per_row_path(tmp_path):
     ticket = BatchTicket(0, 0, 10, tuple(range(10)), False, 1)
     loaded = SourceDataset(source, layout, batched=True).__getitems__(ticket)
     assert loaded.batch is None and [s["x"] for s in loaded.samples] == [2.0 * i for i in range(10)]
+
+
+def test_sources_without_a_batched_read_are_read_row_by_row(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(f'{{"x": {i}}}\n' for i in range(12)))
+    source = JsonlSource(str(tmp_path))
+    dataset = SourceDataset(source, source_layout(source), batched=True)
+    assert not dataset.batched  # JsonlSource keeps ShardedSource.read_batch, which reads nothing
+    loaded = dataset.__getitems__(BatchTicket(0, 0, 12, tuple(range(12)), False, 1))
+    assert loaded.batch is None and [s["x"] for s in loaded.samples] == list(range(12))
 
 
 def test_a_poison_row_inside_a_batched_read_is_isolated_and_the_rest_predicted(tmp_path):
