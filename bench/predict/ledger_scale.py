@@ -171,13 +171,21 @@ def status_seconds(output_dir: Path, location: str, job: str, repeats: int = 3) 
 
 
 def commit_fraction(ledger: Ledger, shards: int, fraction: float) -> None:
-    """Marks the first ``fraction`` of the shards committed (as if workers had done them), in one statement."""
+    """Leaves exactly the first ``fraction`` of the shards committed (as if workers had done them) and the rest
+    todo (the many-worker phase may have committed any number of them), in one transaction."""
+    cut = int(shards * fraction)
     with ledger.db.transaction(ledger.job) as tx:
         tx.execute(
             "UPDATE paro_predict_shards SET state = ?, rows_written = end_row - start_row, rows_failed = 0, "
             "file = 'f', committed_at = ?, committed_by = 'bench', owner = 'bench' "
             "WHERE job = ? AND shard_id < ? AND state IN (?, ?)",
-            (COMMITTED, time.time(), ledger.job, int(shards * fraction), TODO, LEASED),
+            (COMMITTED, time.time(), ledger.job, cut, TODO, LEASED),
+        )
+        tx.execute(
+            "UPDATE paro_predict_shards SET state = ?, owner = NULL, lease_expires = NULL, leased_at = NULL, "
+            "rows_written = NULL, rows_failed = NULL, file = NULL, committed_at = NULL, committed_by = NULL "
+            "WHERE job = ? AND shard_id >= ? AND state <> ?",
+            (TODO, ledger.job, cut, TODO),
         )
 
 
