@@ -2,7 +2,8 @@
 fits.
 
 It predicts the engine (``lightning_paro.strategy``) and imports nothing of it but the strategy names and the
-design's volumes (and, to describe a job's model, its unit detection); the Lightning strategy calls
+design's volumes (and, to describe a job's model, its unit detection; ``job.py`` also reads the strategy's option
+defaults from ``strategy.options``); the Lightning strategy calls
 :func:`plan_for_job` under ``sharding="auto"``. One concern a file:
 
 - ``inputs.py``: what the cost model is told (:class:`Link`, :class:`Cluster`, :class:`Workload`, :class:`Compute`).
