@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ import lightning as L
 from lightning_paro.cli.build import build_data, build_model, build_trainer, strategy_label
 from lightning_paro.cli.peak_memory import PeakMemory, fix_mmap_threshold
 from lightning_paro.cli.schema import Config, ConfigError
+from lightning_paro.strategy.checkpoint import read_full
 
 WEIGHTS_FILE = "weights.ckpt"
 SUMMARY_FILE = "summary.json"
@@ -193,19 +193,11 @@ def fit(cfg: Config) -> None:
 
 # ---------------------------------------------------------------------------------------------------- predict
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint written by fit as one dict: a single file, or a sharded directory (torch.distributed.checkpoint
-    shards plus meta.pt, as PaROStrategy(state_dict_type="sharded") writes) consolidated in memory."""
+    """A checkpoint written by fit as one dict: a single file, or a sharded directory (as
+    ``PaROStrategy(state_dict_type="sharded")`` writes) consolidated in memory."""
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(path), str(Path(tmp) / "full.pt"))
-        checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
-    meta = path / "meta.pt"
-    if meta.is_file():
-        checkpoint = {**torch.load(meta, map_location="cpu", weights_only=True), **checkpoint}
-    return checkpoint
+    return read_full(path)
 
 
 def _trained_model_node(path: Path) -> Optional[dict]:

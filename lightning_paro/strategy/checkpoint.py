@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
@@ -558,31 +559,35 @@ def _names_to_indices(osd: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def convert_to_full(src: str | Path, dst: str | Path, weights_only: bool = True) -> Path:
-    """Consolidate a sharded checkpoint directory into one file in Lightning's format (the one ``"ddp"`` writes):
-    ``state_dict`` with full tensors, ``optimizer_states`` in torch's own format, and the trainer state.
+def read_full(src: str | Path, weights_only: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint directory consolidated in memory, on the CPU, in Lightning's format (the one ``"ddp"``
+    writes): ``state_dict`` with full tensors, ``optimizer_states`` in torch's own format, and the trainer state.
 
-    Runs in one process, with no distributed set-up. The output is published atomically.
+    Runs in one process, with no distributed set-up; the whole checkpoint passes through host memory once.
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    src, dst = Path(src), Path(dst)
+    src = Path(src)
     read_sharded_metadata(src)
-    tmp = staging_path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        dcp_to_torch_save(str(src), str(tmp))
-        flat = torch.load(tmp, weights_only=True)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    out = dict(torch.load(src / META_FILE, weights_only=weights_only))
+    with tempfile.TemporaryDirectory() as tmp:
+        consolidated = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(src), str(consolidated))
+        flat = torch.load(consolidated, map_location="cpu", weights_only=True)
+    out = dict(torch.load(src / META_FILE, map_location="cpu", weights_only=weights_only))
     out["state_dict"] = flat["state_dict"]
     opts = sorted((k for k in flat if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     if opts:
         out["optimizer_states"] = [_names_to_indices(flat[k]) for k in opts]
+    return out
+
+
+def convert_to_full(src: str | Path, dst: str | Path, weights_only: bool = True) -> Path:
+    """Consolidate a sharded checkpoint directory into one file in Lightning's format (:func:`read_full`), published
+    atomically. Runs in one process, with no distributed set-up."""
+    out = read_full(src, weights_only=weights_only)
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
     staged = staging_path(dst)
     torch.save(out, staged)
     publish(staged, dst)
     return dst
-
