@@ -454,3 +454,14 @@ def test_trainable_blocks_freezes_all_but_the_last_blocks_and_the_final_norm():
     assert {n for n, _ in model.named_parameters() if n.startswith("blocks.2.") or n.startswith("ln_f.")} == trainable
     everything = build_model(load_config(["model=gpt_tiny"]))
     assert all(p.requires_grad for p in everything.parameters())
+
+
+@pytest.mark.parametrize("name", ["paro", "ddp", "fsdp2"])
+def test_the_strategy_yaml_states_the_schema_defaults(name):
+    # the base strategy files repeat their schema's defaults so that a user reads them in one place; this keeps the
+    # two from drifting apart (the schema takes its values from PaROOptions, the library's one home for them)
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(OmegaConf.load(package_config_dir() / "strategy" / f"{name}.yaml"))
+    defaults = dataclasses.asdict(schema.STRATEGY_SCHEMAS[name]())
+    assert node == defaults
