@@ -17,6 +17,8 @@ import sys
 
 from lightning_paro.planner import (DEFAULT_MEMORY_BUDGET, Cluster, Compute, Link, Plan, Workload,
                                     fastest_chunk_bytes, format_plan, plan)
+from lightning_paro.strategy.options import comm_dtype
+from lightning_paro.strategy.transitions import CommDtypes
 
 GIB = 2**30
 PRECISIONS = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
                    help="bf16: 2/2/12 bytes (fp32 master); fp32: 4/4/8 bytes per parameter/gradient/optimizer")
     p.add_argument("--optim-bytes", type=int, default=None, help="override K, optimizer bytes per trainable param")
+    p.add_argument("--param-dtype", choices=["bf16", "fp32"], default=None,
+                   help="dtype parameters are gathered in (the strategy's param_dtype); default: their own")
+    p.add_argument("--reduce-dtype", choices=["bf16", "fp32"], default=None,
+                   help="dtype gradients are reduced in (the strategy's reduce_dtype); default: their own")
     p.add_argument("--activation-bytes-per-token", type=float, default=0.0, help="activation memory per token")
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (the strategy's prefetch)")
     p.add_argument("--chunk-mib", type=float, default=None,
@@ -82,7 +88,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                             num_units=args.units, root_fraction=args.root_fraction if args.units else 1.0,
                             tokens_per_micro_batch=tokens, param_bytes=pb, grad_bytes=gb,
                             optim_bytes=args.optim_bytes if args.optim_bytes is not None else kb,
-                            activation_bytes_per_token=args.activation_bytes_per_token)
+                            activation_bytes_per_token=args.activation_bytes_per_token,
+                            comm=CommDtypes(comm_dtype("param_dtype", args.param_dtype),
+                                            comm_dtype("reduce_dtype", args.reduce_dtype)))
         cluster = Cluster(n, m, Link.gbit(args.intra_gbps, args.intra_latency_us, args.intra_overlap),
                           Link.gbit(inter_gbps, args.inter_latency_us, args.inter_overlap),
                           args.device_memory_gib * GIB)

@@ -59,6 +59,7 @@ from lightning_paro.planner.phases import (
     seconds_and_processor_seconds,
 )
 from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
+from lightning_paro.strategy.transitions import dtype_bytes
 from lightning_paro.strategy.volumes import Traffic, model_state_bytes, step_traffic
 
 
@@ -201,10 +202,11 @@ def micro_step_seconds(spec: ShardingSpec, workload: Workload, cluster: Cluster,
     split = _split(workload)
     L = workload.num_units
     Lb = L if workload.backward_units is None else workload.backward_units
-    gather = gather_phases(spec.params, split.unit_params, cluster)
+    w = workload
+    gather = gather_phases(spec.params, split.unit_params, cluster, w.comm, w.param_bytes)
     # the units' trainable parameters are spread over the units backward runs through
     unit_trainable = split.unit_trainable * L / Lb if Lb else 0.0
-    reduce = reduce_scatter_phases(spec.grads, unit_trainable, cluster)
+    reduce = reduce_scatter_phases(spec.grads, unit_trainable, cluster, w.comm, w.grad_bytes)
     a, a_cpu = seconds_and_processor_seconds(gather, cluster)
     r, r_cpu = seconds_and_processor_seconds(reduce, cluster)
 
@@ -213,8 +215,8 @@ def micro_step_seconds(spec: ShardingSpec, workload: Workload, cluster: Cluster,
         plus the part of the collectives it cannot run beside (the links' ``overlap``)."""
         return max(compute + comm_cpu, comm)
 
-    a_root = seconds(gather_phases(spec.params, split.root_params, cluster), cluster)
-    r_root = seconds(reduce_scatter_phases(spec.grads, split.root_trainable, cluster), cluster)
+    a_root = seconds(gather_phases(spec.params, split.root_params, cluster, w.comm, w.param_bytes), cluster)
+    r_root = seconds(reduce_scatter_phases(spec.grads, split.root_trainable, cluster, w.comm, w.grad_bytes), cluster)
     root = workload.root_fraction if L else 1.0
     # Forward is 2 Psi FLOPs per token, backward 2 Psi + 2 Psi': split the compute in that ratio.
     f = workload.trainable_fraction
@@ -255,10 +257,10 @@ def step_terms(spec: ShardingSpec, workload: Workload, cluster: Cluster, compute
     return StepTerms(
         compute=A * c,
         exposed_micro_comm=A * (micro - c),
-        grad_sync=seconds(grad_sync_phases(spec, T, cluster), cluster),
+        grad_sync=seconds(grad_sync_phases(spec, T, cluster, workload.comm, workload.grad_bytes), cluster),
         control=control,
         update=update_bytes / compute.memory_bandwidth,
-        param_sync=seconds(param_sync_phases(spec, T, cluster), cluster),
+        param_sync=seconds(param_sync_phases(spec, T, cluster, workload.comm, workload.grad_bytes), cluster),
     )
 
 
@@ -274,11 +276,16 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
       waited for before the copy, so no more are in flight).
 
     The backend's staging of a collective is one HO-Ring chunk (on the CPU flat collectives go in pieces of that
-    size) and is left out."""
+    size) and is left out. Parameters sent in fewer bytes than they are stored in (``param_dtype``) where P differs
+    from OS need a separate master copy in the optimizer shard, unless ``optim_bytes`` counts one already (16-bit
+    parameters)."""
     m, n = cluster.group_size, cluster.world_size
+    optim_bytes = workload.optim_bytes
+    if rounds_param_sync(spec, workload):
+        optim_bytes += workload.param_bytes
     states = model_state_bytes(spec, workload.num_params, workload.num_trainable, m, n,
                                param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
-                               optim_bytes=workload.optim_bytes)
+                               optim_bytes=optim_bytes)
     split = _split(workload)
     in_flight = min(workload.num_units, 1 + max(0, prefetch))
     transient = 0.0
@@ -290,13 +297,23 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
                   activations=workload.activation_bytes_per_token * workload.tokens_per_micro_batch)
 
 
+def rounds_param_sync(spec: ShardingSpec, workload: Workload) -> bool:
+    """Whether the engine keeps a separate master copy because the OS -> P sync rounds the parameters
+    (``FlatGroup.rounds_param_sync``): P differs from OS and parameters travel in fewer bytes than they are stored
+    in; not counted again when ``optim_bytes`` holds a master already (16-bit parameters)."""
+    wire = workload.comm.params
+    return (spec.params != spec.optim and wire is not None and dtype_bytes(wire) < workload.param_bytes
+            and workload.param_bytes >= 4)
+
+
 def traffic(spec: ShardingSpec, workload: Workload, cluster: Cluster) -> Traffic:
     """Bytes one rank sends per optimizer step (``volumes.step_traffic``; units gathered twice, the root once)."""
     split = _split(workload)
     m, g, A = cluster.group_size, cluster.num_groups, workload.accumulation
     units = step_traffic(spec, split.unit_params * workload.num_units, split.unit_trainable * workload.num_units,
-                         m, g, A, gathers=2)
-    root = step_traffic(spec, split.root_params, split.root_trainable, m, g, A, gathers=1)
+                         m, g, A, gathers=2, comm=workload.comm, element_bytes=workload.param_bytes)
+    root = step_traffic(spec, split.root_params, split.root_trainable, m, g, A, gathers=1, comm=workload.comm,
+                        element_bytes=workload.param_bytes)
     return Traffic(units.intra + root.intra, units.inter + root.inter)
 
 

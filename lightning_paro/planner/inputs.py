@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_paro.strategy.transitions import EXACT, CommDtypes
+
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""
 
@@ -117,6 +119,9 @@ class Workload:
     backward_units: int | None = None
     """Units the backward pass runs through (from the first one holding a trainable parameter to the last); the
     frozen units before them are neither gathered again nor computed in backward. None: all of them."""
+    comm: CommDtypes = EXACT
+    """The dtypes parameters and gradients travel in (``PaROStrategy(param_dtype=..., reduce_dtype=...)``); the
+    default sends each in its own (``param_bytes``, ``grad_bytes``)."""
 
     def __post_init__(self) -> None:
         if self.backward_units is not None and not 0 <= self.backward_units <= self.num_units:

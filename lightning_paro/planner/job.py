@@ -19,6 +19,7 @@ from lightning_paro.planner.memory import agreed_minimum, device_memory_bytes
 from lightning_paro.planner.probe import probe_links
 from lightning_paro.planner.workload import workload_from_module
 from lightning_paro.strategy.options import OptionError, is_count
+from lightning_paro.strategy.transitions import EXACT, CommDtypes
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,15 @@ class AutoConfig:
 
 def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: int, ranks_on_host: int,
                  units="auto", prefetch: int = 1, config: AutoConfig = AutoConfig(),
-                 chunk_bytes: int | None = None) -> Plan:
+                 chunk_bytes: int | None = None, comm: CommDtypes = EXACT) -> Plan:
     """Plan for a running job (collective: call on every rank after the process groups exist).
 
     Measures what ``config`` leaves open (links: :func:`probe_links`; memory: :func:`device_memory_bytes`, the
     smallest over ranks), describes the model with :func:`workload_from_module` and returns :func:`plan`'s result,
     the same on every rank. ``chunk_bytes`` is the strategy's HO-Ring chunk; None plans with the chunk the cost model
     predicts fastest for these links (:func:`~lightning_paro.planner.cost_model.fastest_chunk_bytes`), which the
-    strategy then uses: ``plan.cluster.chunk_bytes``.
+    strategy then uses: ``plan.cluster.chunk_bytes``. ``comm``: the dtypes the strategy sends parameters and
+    gradients in (its ``param_dtype`` and ``reduce_dtype``); the plan counts their bytes, and never picks them itself.
     """
     import torch
 
@@ -107,7 +109,7 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
         reduce_on = device if device.type == "cuda" else None
         memory = agreed_minimum(device_memory_bytes(device, ranks_on_host), topology.groups.world, reduce_on)
     workload = workload_from_module(module, optimizers, units, accumulation, config.tokens_per_micro_batch,
-                                    config.activation_bytes_per_token)
+                                    config.activation_bytes_per_token, comm)
     cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor,
                       chunk_bytes=probe_chunk, hierarchical_factor=ho_factor)
     if chunk_bytes is None:  # the links are known now: size the chunk to them (the same on every rank)

@@ -22,6 +22,10 @@ pipeline::
 so a large buffer costs about its slowest phase, and a buffer of one chunk the sum of its phases. A phase's transfer
 time is multiplied by the cluster's ``hierarchical_factor`` (1 for NCCL-like backends; the probe measures it, as
 HO-Ring's point-to-point sends can use a link better than the backend's collective does).
+
+A buffer is given in bytes of its own elements (``element_bytes`` each); a collective that travels in another dtype
+(``param_dtype``, ``reduce_dtype``: the transition table's :class:`~lightning_paro.strategy.transitions.CommDtypes`)
+moves the bytes of that dtype (``transitions.wire_bytes``).
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ from typing import Literal
 from lightning_paro.planner.inputs import Cluster
 from lightning_paro.strategy.levels import Level, ShardingSpec
 from lightning_paro.strategy.transitions import (
+    EXACT,
+    CommDtypes,
     Transition,
     gather_params,
     grads_to_optim,
     link_phases,
     optim_to_params,
     reduce_grads,
+    wire_bytes,
 )
 
 HO_RING_CHUNKS_IN_FLIGHT = 2
@@ -113,36 +120,43 @@ def _global(*candidates: Phase) -> tuple[Phase, ...]:
     return tuple(dataclasses.replace(p, hierarchical=True) for p in phases) if len(phases) > 1 else phases
 
 
-def transition_phases(transition: Transition, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
-    """The phases of a level transition (``lightning_paro.strategy.transitions``) on a buffer of ``nbytes``: each
-    collective split into its link phases, a global one pipelined as an HO-Ring."""
+def transition_phases(transition: Transition, nbytes: float, cluster: Cluster,
+                      element_bytes: int = 4) -> tuple[Phase, ...]:
+    """The phases of a level transition (``lightning_paro.strategy.transitions``) on a buffer of ``nbytes`` (elements
+    of ``element_bytes``): each collective split into its link phases, in the dtype it travels in, a global one
+    pipelined as an HO-Ring."""
     m, g = cluster.group_size, cluster.num_groups
     out: list[Phase] = []
     for c in transition:
-        phases = [Phase(p.op, p.link, m if p.link == "intra" else g, p.fraction * nbytes)
+        wire = wire_bytes(c, nbytes, element_bytes)
+        phases = [Phase(p.op, p.link, m if p.link == "intra" else g, p.fraction * wire)
                   for p in link_phases(c, m, g)]
         out += _global(*phases) if c.scope == "global" else _phases(*phases)
     return tuple(out)
 
 
-def gather_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+def gather_phases(level: Level, nbytes: float, cluster: Cluster, comm: CommDtypes = EXACT,
+                  element_bytes: int = 4) -> tuple[Phase, ...]:
     """All-gather a buffer of ``nbytes`` from level-``level`` shards (G: inter then intra)."""
-    return transition_phases(gather_params(level), nbytes, cluster)
+    return transition_phases(gather_params(level, comm), nbytes, cluster, element_bytes)
 
 
-def reduce_scatter_phases(level: Level, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+def reduce_scatter_phases(level: Level, nbytes: float, cluster: Cluster, comm: CommDtypes = EXACT,
+                          element_bytes: int = 4) -> tuple[Phase, ...]:
     """Reduce-scatter a full buffer of ``nbytes`` into level-``level`` shards (G: intra then inter)."""
-    return transition_phases(reduce_grads(level), nbytes, cluster)
+    return transition_phases(reduce_grads(level, comm), nbytes, cluster, element_bytes)
 
 
-def grad_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+def grad_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster, comm: CommDtypes = EXACT,
+                     element_bytes: int = 4) -> tuple[Phase, ...]:
     """Once per step: bring ``nbytes`` of accumulated gradient from level G to level OS (design, section 4)."""
-    return transition_phases(grads_to_optim(spec.grads, spec.optim), nbytes, cluster)
+    return transition_phases(grads_to_optim(spec.grads, spec.optim, comm), nbytes, cluster, element_bytes)
 
 
-def param_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster) -> tuple[Phase, ...]:
+def param_sync_phases(spec: ShardingSpec, nbytes: float, cluster: Cluster, comm: CommDtypes = EXACT,
+                      element_bytes: int = 4) -> tuple[Phase, ...]:
     """Once per step, after the update: bring ``nbytes`` of trainable parameters from level OS to level P."""
-    return transition_phases(optim_to_params(spec.optim, spec.params), nbytes, cluster)
+    return transition_phases(optim_to_params(spec.optim, spec.params, comm), nbytes, cluster, element_bytes)
 
 
 def _phase_seconds(phases: tuple[Phase, ...], cluster: Cluster) -> tuple[float, list[tuple[Phase, float]]]:

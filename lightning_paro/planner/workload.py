@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from lightning_paro.planner.inputs import Workload
+from lightning_paro.strategy.transitions import EXACT, CommDtypes
 
 _STATES_PER_PARAM = {
     "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2, "ASGD": 2,
@@ -30,10 +31,12 @@ def optimizer_states_per_param(optimizer) -> float:
 
 
 def workload_from_module(module, optimizers: Iterable = (), units="auto", accumulation: int = 1,
-                         tokens_per_micro_batch: float = 0.0, activation_bytes_per_token: float = 0.0) -> Workload:
+                         tokens_per_micro_batch: float = 0.0, activation_bytes_per_token: float = 0.0,
+                         comm: CommDtypes = EXACT) -> Workload:
     """Describe ``module`` as the engine will shard it: parameters, trainable ones (requiring grad and in an
     optimizer), units (the same detection as the engine), element sizes, and optimizer bytes per trainable parameter
-    (the engine keeps optimizer states in fp32 and a separate fp32 master when parameters are 16-bit)."""
+    (the engine keeps optimizer states in fp32 and a separate fp32 master when parameters are 16-bit); ``comm``: the
+    dtypes parameters and gradients travel in."""
     from lightning_paro.strategy.units import find_units
 
     params = {id(p): p for p in module.parameters()}
@@ -76,5 +79,5 @@ def workload_from_module(module, optimizers: Iterable = (), units="auto", accumu
         num_units=len(unit_modules), root_fraction=1 - in_units / num_params if unit_modules else 1.0,
         tokens_per_micro_batch=tokens_per_micro_batch, param_bytes=param_bytes, grad_bytes=param_bytes,
         optim_bytes=round(master_bytes + 4 * states), activation_bytes_per_token=activation_bytes_per_token,
-        backward_units=backward_units,
+        backward_units=backward_units, comm=comm,
     )

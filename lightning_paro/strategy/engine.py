@@ -20,7 +20,8 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import OrderedDict
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_paro.comm.collectives import Communicator
 from lightning_paro.strategy.flat import FlatGroup, GatherMeter
 from lightning_paro.strategy.levels import Level, ShardingSpec
-from lightning_paro.strategy.transitions import SCOPE_OF
+from lightning_paro.strategy.transitions import EXACT, SCOPE_OF, CommDtypes
 from lightning_paro.strategy.evaluation import ShardedEvaluation
 from lightning_paro.strategy.units import Unit, UnitPolicy, find_units
 
@@ -79,16 +80,19 @@ class PaROEngine:
         units: which submodules are units (see :func:`find_units`).
         prefetch: how many units ahead to gather (0 disables prefetching).
         master_dtype: dtype of the optimizer shard (defaults to the parameter dtype; fp32 for bf16 parameters).
+        comm_dtypes: the dtypes parameters and gradients travel in during training (default: their own). Evaluation,
+            checkpoints and the module after fit read exact weights (:meth:`exact_params`).
     """
 
     def __init__(self, module: nn.Module, spec: ShardingSpec, comm: Communicator,
                  optimizers: Iterable[Optimizer] = (), units: UnitPolicy = "auto", prefetch: int = 1,
-                 master_dtype: torch.dtype | None = None) -> None:
+                 master_dtype: torch.dtype | None = None, comm_dtypes: CommDtypes = EXACT) -> None:
         self.module = module
         self.spec = spec
         self.comm = comm
+        self.comm_dtypes = comm_dtypes
         self.prefetch = max(0, int(prefetch))
-        self.mode = Mode.SHARDED
+        self._mode = Mode.SHARDED
         self.optimizers = list(optimizers)
         self._hooks: list[RemovableHandle] = []
         self._order: list[Unit] = []  # execution order seen in the last forward
@@ -149,7 +153,7 @@ class PaROEngine:
                 mdtype = master_dtype if master_dtype is not None else (
                     torch.float32 if dtype in (torch.bfloat16, torch.float16) else None)
                 flat = FlatGroup(entries, trainable=gidx is not None, spec=self.spec, comm=self.comm,
-                                 master_dtype=mdtype)
+                                 master_dtype=mdtype, comm_dtypes=self.comm_dtypes)
                 flat.optimizer_group = gidx
                 flats.append(flat)
             units.append(Unit(uname, modules[uname], flats))
@@ -176,6 +180,42 @@ class PaROEngine:
                 )
             for gi, group in enumerate(opt.param_groups):
                 group["params"] = groups.get((oi, gi), [])
+
+    @property
+    def mode(self) -> Mode:
+        """Training (SHARDED) or one of the evaluation modes; only training gathers in ``comm_dtypes``."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        self._mode = mode
+        for f in self.flat_groups():
+            f.exact_gathers = mode is not Mode.SHARDED
+
+    @contextmanager
+    def _exact_gathers(self) -> Iterator[None]:
+        """Gathers in the parameters' own dtype inside the block, whatever the mode."""
+        flats = self.flat_groups()
+        before = [f.exact_gathers for f in flats]
+        for f in flats:
+            f.exact_gathers = True
+        try:
+            yield
+        finally:
+            for f, b in zip(flats, before):
+                f.exact_gathers = b
+
+    def exact_params(self) -> None:
+        """Collective. Make every rank's parameter storage hold the exact weights where training left them rounded
+        (``comm_dtypes`` with parameters in fewer bits than stored): drop gathered units rounded on the wire and run
+        the OS -> P sync again in the parameters' own dtype. Nothing to do otherwise. Runs before evaluation,
+        checkpoints and handing the module back."""
+        for unit in self.units:
+            if any(f.gathered_rounded for f in unit.flats):
+                unit.free()
+        for f in self.flat_groups():
+            if f.trainable:
+                f.exact_params()
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self) -> None:
@@ -341,12 +381,14 @@ class PaROEngine:
 
     # ------------------------------------------------------------------ evaluation and export
     def materialize(self) -> None:
-        """Gather every unit and keep it gathered (evaluation): no collectives per batch."""
-        for unit in self.units:
-            unit.wait_param_sync()
-            unit.gather(async_op=True)
-        for unit in self.units:
-            unit.wait_gather()
+        """Gather every unit and keep it gathered (evaluation): no collectives per batch. The weights are exact."""
+        self.exact_params()
+        with self._exact_gathers():
+            for unit in self.units:
+                unit.wait_param_sync()
+                unit.gather(async_op=True)
+            for unit in self.units:
+                unit.wait_gather()
         self.mode = Mode.FULL
 
     def release(self) -> None:
@@ -372,7 +414,9 @@ class PaROEngine:
             return
         self.wait()
         self.release()
-        self.root.ensure_ready()
+        self.exact_params()
+        with self._exact_gathers():
+            self.root.ensure_ready()
         self.evaluation = ShardedEvaluation(self, [u for u in self._order if u is not self.root] or self.units[:-1])
         self.mode = Mode.EVAL
 
@@ -411,11 +455,13 @@ class PaROEngine:
         the device holds at most one more unit than it does already. With ``rank0_only`` other ranks take part in
         the gathers and return an empty dict."""
         self.wait()
+        self.exact_params()
         keep = rank0_only is False or self.comm.topology.rank == 0
         copies: dict[int, torch.Tensor] = {}
         for unit in self.units:
             was_gathered = all(f.gathered for f in unit.flats)
-            unit.ensure_ready()
+            with self._exact_gathers():
+                unit.ensure_ready()
             if keep:
                 for f in unit.flats:
                     for s in f.slots:
@@ -519,6 +565,7 @@ class PaROEngine:
             for f in self.flat_groups():
                 if f.trainable and f.master.data_ptr() != f.own_param_slot.data_ptr():
                     f.master.copy_(f.own_param_slot)
+                f.params_exact = True
                 if f.spec.params != Level.N:
                     f.free_params()
         if self.mode is Mode.FULL:

@@ -2,6 +2,15 @@
 
 A :class:`FlatGroup` owns the storage of its parameters at every level (P, G, OS) and knows the collectives that move
 them between levels. It does not know about hooks or Lightning: the engine decides *when* each method runs.
+
+**Communication dtypes** (``transitions.CommDtypes``). A collective whose dtype differs from the buffer's travels
+through a scratch buffer of that dtype: the parameters are cast before an all-gather and the result cast back into
+the buffer; a gradient is flattened straight into the reduction dtype and each reduced shard added to the
+accumulator in the accumulator's dtype. When parameters travel in fewer bits than they are stored in (bf16 for fp32),
+what every rank computes with is the same rounded copy: a gathered unit is rounded on the wire, and the OS -> P sync
+writes the rounded values into every rank's P-level storage, its own slice included, so the optimizer keeps a
+separate master copy. Such rounded storage is made exact again (:meth:`FlatGroup.exact_params`, the sync in the
+buffer's own dtype) before anything reads the weights: evaluation, checkpoints, the module after fit.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from lightning_paro.comm.collectives import CommHandle, Communicator
 from lightning_paro.strategy import transitions
 from lightning_paro.strategy.layout import ShardLayout
 from lightning_paro.strategy.levels import Level, ShardingSpec
+from lightning_paro.strategy.transitions import EXACT, CommDtypes, lossy
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -85,10 +95,12 @@ class FlatGroup:
     """Flat parameter, gradient and optimizer-state storage for a set of parameters, sharded by a PaRO spec."""
 
     def __init__(self, slots_in: list[tuple[str, nn.Parameter]], trainable: bool, spec: ShardingSpec,
-                 comm: Communicator, master_dtype: torch.dtype | None = None) -> None:
+                 comm: Communicator, master_dtype: torch.dtype | None = None, comm_dtypes: CommDtypes = EXACT) -> None:
         self.spec = spec
         self.comm = comm
         self.trainable = trainable
+        self.comm_dtypes = comm_dtypes
+        """The dtypes parameters and gradients travel in (``PaROStrategy(param_dtype=..., reduce_dtype=...)``)."""
         first = slots_in[0][1]
         self.dtype, self.device = first.dtype, first.device
         offset, slots = 0, []
@@ -133,6 +145,12 @@ class FlatGroup:
         """Ranges of the optimizer shard that no rank produced a gradient for: the step must leave them alone."""
         self.pending_reduce: CommHandle | None = None
         self.pending_param_sync: CommHandle | None = None
+        self.params_exact = True
+        """Whether the P-level storage holds the exact weights (False after a parameter sync that rounded them)."""
+        self.exact_gathers = False
+        """Gather in the parameters' own dtype, whatever ``comm_dtypes`` says (evaluation, export)."""
+        self.gathered_rounded = False
+        """The full buffer holds a gather rounded on the wire."""
         self.gather_meter = GatherMeter()
         """Where gathers and frees of ``p_full`` are counted (the engine shares one among its groups)."""
         if trainable:
@@ -151,7 +169,7 @@ class FlatGroup:
         p0 = self.layout.start(spec.params)
         own = self.p_local[o0 - p0:o1 - p0]
         master_dtype = master_dtype or self.dtype
-        if master_dtype == self.dtype:
+        if master_dtype == self.dtype and not self.rounds_param_sync:
             # The optimizer updates the parameter storage in place: no separate master copy.
             self.master = nn.Parameter(own, requires_grad=True)
         else:
@@ -167,6 +185,13 @@ class FlatGroup:
             s.param.grad = None
 
     @property
+    def rounds_param_sync(self) -> bool:
+        """Whether the OS -> P sync rounds what it writes (parameters travel in fewer bits than they are stored in,
+        and P differs from OS): the optimizer's master copy must then be kept apart from the P-level storage."""
+        return (self.spec.params != self.spec.optim and self.comm_dtypes.params is not None
+                and lossy(self.comm_dtypes.params, self.dtype))
+
+    @property
     def own_param_slot(self) -> torch.Tensor:
         """This rank's OS-level slice of its P-level storage."""
         o0, o1 = self.layout.range(self.spec.optim)
@@ -178,21 +203,30 @@ class FlatGroup:
         """All-gather the P-level shards into the full buffer (``transitions.gather_params``)."""
         if self.spec.params == Level.N or self.gathered:
             return None
-        (gather,) = transitions.gather_params(self.spec.params)
+        (gather,) = transitions.gather_params(self.spec.params, EXACT if self.exact_gathers else self.comm_dtypes)
         self.gather_meter.add(self.full_bytes)
         alloc_storage(self.p_full)
         self.gathered = True
+        wire = gather.wire_dtype(self.dtype)
+        self.gathered_rounded = lossy(wire, self.dtype)
+        full = self.p_full if wire == self.dtype else torch.empty(self.layout.padded, dtype=wire, device=self.device)
         p0, _ = self.layout.range(self.spec.params)
-        shard, local = self.p_full[p0:p0 + self.p_local.numel()], self.p_local
+        shard, local = full[p0:p0 + self.p_local.numel()], self.p_local
         # The copy runs on the communication thread, after any parameter sync still writing p_local.
         self.comm.submit(lambda: shard.copy_(local), async_op=True, what="parameter copy before all_gather",
                          scope=gather.scope)
-        return self.comm.all_gather(self.p_full, shard, gather.scope, async_op=async_op)
+        handle = self.comm.all_gather(full, shard, gather.scope, async_op=async_op)
+        if full is self.p_full:
+            return handle
+        p_full = self.p_full
+        return self.comm.submit(lambda: p_full.copy_(full), async_op=async_op,
+                                what="parameter copy after all_gather", scope=gather.scope)
 
     def free_params(self) -> None:
         if self.spec.params != Level.N and self.gathered:
             free_storage(self.p_full)
             self.gathered = False
+            self.gathered_rounded = False
             self.gather_meter.sub(self.full_bytes)
 
     @property
@@ -228,7 +262,9 @@ class FlatGroup:
         grads = [s.param.grad for s in self.slots]
         if all(g is None for g in grads):
             return  # no gradient reached this group in this micro-step
-        flat = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
+        (reduce,) = transitions.reduce_grads(self.spec.grads, self.comm_dtypes)
+        # flattened straight into the dtype the reduction travels in
+        flat = torch.empty(self.layout.padded, dtype=reduce.wire_dtype(self.dtype), device=self.device)
         with torch.no_grad():
             end = 0
             for s, g in zip(self.slots, grads):
@@ -243,14 +279,13 @@ class FlatGroup:
             flat[end:].zero_()
         self.detach_grads()
         del grads
-        (reduce,) = transitions.reduce_grads(self.spec.grads)
         self._ensure_grad_shard()
-        tmp = torch.empty_like(self.g_shard)
+        tmp = torch.empty(self.g_shard.numel(), dtype=flat.dtype, device=self.device)
         self.comm.reduce_scatter(tmp, flat, reduce.scope, async_op=True)
         g_shard = self.g_shard
 
         def accumulate() -> None:
-            g_shard.add_(tmp)
+            g_shard.add_(tmp)  # in the accumulator's dtype
             free_storage(flat)
 
         # Queued behind the reduce-scatter: if that fails, this never runs (tmp holds no gradient then).
@@ -270,13 +305,17 @@ class FlatGroup:
             self._ensure_grad_shard()  # no gradient reached this group in the whole step: zeros
         grad = self.g_full if spec.grads == Level.N else self.g_shard
         ranks = {"intra": topo.group_size, "inter": topo.num_groups, "global": topo.world_size}
-        for c in transitions.grads_to_optim(spec.grads, spec.optim):
+        sync = transitions.grads_to_optim(spec.grads, spec.optim, self.comm_dtypes)
+        buf = grad if not sync else grad.to(sync[0].wire_dtype(self.dtype))  # the same tensor in its own dtype
+        for c in sync:
             if c.op == "all_reduce":
-                self.comm.all_reduce(grad, c.scope)
+                self.comm.all_reduce(buf, c.scope)
             else:  # reduce_scatter: this rank's slice of the sum
-                out = torch.empty(grad.numel() // ranks[c.scope], dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(out, grad, c.scope)
-                grad = out
+                out = torch.empty(buf.numel() // ranks[c.scope], dtype=buf.dtype, device=self.device)
+                self.comm.reduce_scatter(out, buf, c.scope)
+                buf = out
+        if buf is not grad:  # back to the accumulator's dtype
+            grad = grad.copy_(buf) if buf.numel() == grad.numel() else buf.to(self.dtype)
         grad.div_(topo.world_size)
         self.master.grad = grad if grad.dtype == self.master.dtype else grad.to(self.master.dtype)
         return self.master.grad
@@ -297,12 +336,43 @@ class FlatGroup:
     # ------------------------------------------------------------------ after the optimizer step
     def sync_params(self) -> None:
         """Launch the OS -> P parameter sync asynchronously; :meth:`wait_param_sync` waits for it at first use."""
+        self._sync_params(self.comm_dtypes)
+
+    def exact_params(self) -> None:
+        """Make the P-level storage hold the exact weights if the last parameter sync rounded them (collective over
+        the sync's scope; every rank's flags agree, as they follow the same steps): the sync again, in the
+        parameters' own dtype. Waits for it."""
+        self.wait_param_sync()
+        if not self.params_exact:
+            self._sync_params(EXACT)
+            self.wait_param_sync()
+
+    def _sync_params(self, comm_dtypes: CommDtypes) -> None:
         own = self.own_param_slot
-        if self.master.data_ptr() != own.data_ptr():
-            with torch.no_grad():
-                own.copy_(self.master)
-        for c in transitions.optim_to_params(self.spec.optim, self.spec.params):  # one all-gather into p_local
-            self.pending_param_sync = self.comm.all_gather(self.p_local, own, c.scope, async_op=True)
+        sync = transitions.optim_to_params(self.spec.optim, self.spec.params, comm_dtypes)  # one all-gather, or none
+        wire = sync[0].wire_dtype(self.dtype) if sync else self.dtype
+        if wire == self.dtype:
+            if self.master.data_ptr() != own.data_ptr():
+                with torch.no_grad():
+                    own.copy_(self.master)
+            for c in sync:
+                self.pending_param_sync = self.comm.all_gather(self.p_local, own, c.scope, async_op=True)
+            self.params_exact = True
+            return
+        # Through a buffer of the wire dtype: every rank's P-level storage gets what arrives, its own slice too, so
+        # all ranks compute with the same weights (the master stays apart: ``rounds_param_sync``).
+        (c,) = sync
+        buf = torch.empty(self.p_local.numel(), dtype=wire, device=self.device)
+        o0, o1 = self.layout.range(self.spec.optim)
+        p0 = self.layout.start(self.spec.params)
+        shard = buf[o0 - p0:o1 - p0]
+        with torch.no_grad():
+            shard.copy_(self.master)
+        self.comm.all_gather(buf, shard, c.scope, async_op=True)
+        p_local = self.p_local
+        self.pending_param_sync = self.comm.submit(lambda: p_local.copy_(buf), what="parameter copy after all_gather",
+                                                   scope=c.scope)
+        self.params_exact = not lossy(wire, self.dtype)
 
     def wait_param_sync(self) -> None:
         if self.pending_param_sync is not None:

@@ -13,9 +13,11 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
+from lightning_paro.strategy.transitions import CommDtypes
 
 if TYPE_CHECKING:
     from lightning_paro.planner.job import AutoConfig
@@ -26,6 +28,9 @@ GATHER_MODES: tuple[str, ...] = ("auto", "full", "sharded")
 STATE_DICT_TYPES: tuple[str, ...] = ("sharded", "full")
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 """How the processes start: Lightning's subprocess launcher (``popen``, as ``"ddp"``) or torch.multiprocessing."""
+COMM_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+                                       "float32": torch.float32}
+"""The dtypes parameters and gradients may travel in, by the names the options accept (or the torch dtypes)."""
 
 
 class OptionError(ValueError):
@@ -34,6 +39,18 @@ class OptionError(ValueError):
     def __init__(self, option: str, message: str) -> None:
         super().__init__(message)
         self.option = option
+
+
+def comm_dtype(option: str, value: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """``param_dtype`` or ``reduce_dtype`` as a torch dtype (None: the buffer's own)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in COMM_DTYPES:
+        return COMM_DTYPES[value.lower()]
+    raise OptionError(option, f"{option} must be 'bf16', 'fp32' (torch.bfloat16, torch.float32) or None (the"
+                              f" parameters' own dtype), got {value!r}.")
 
 
 def is_count(value: Any, least: int) -> bool:
@@ -99,6 +116,13 @@ class PaROOptions:
     """Kept as given; None: the device's backend, with gloo beside it on an accelerator ("cuda:nccl,cpu:gloo")."""
     timeout: Optional[timedelta] = default_pg_timeout
     """How long a collective waits for its peers, in every group the strategy creates; None: torch's default."""
+    param_dtype: Union[str, torch.dtype, None] = None
+    """The dtype parameters are gathered in during training ("bf16" or "fp32"; FSDP2's ``param_dtype``): each
+    all-gather, and the sync after the optimizer step, sends them in it and every rank computes with the same rounded
+    copy; the optimizer shard stays the full-precision master. None: the parameters' own dtype (exact)."""
+    reduce_dtype: Union[str, torch.dtype, None] = None
+    """The dtype gradients are reduced in ("bf16" or "fp32"; FSDP2's ``reduce_dtype``): each reduce-scatter and
+    all-reduce sends and sums them in it; the accumulators keep the gradients' dtype. None: the gradients' own."""
 
     def __post_init__(self) -> None:
         if not self.is_auto:
@@ -133,6 +157,8 @@ class PaROOptions:
             shown = f"{self.timeout.total_seconds():g} s" if isinstance(self.timeout, timedelta) else repr(self.timeout)
             raise OptionError("timeout", f"timeout must be positive (how long a collective waits for its peers: a"
                                          f" timedelta, or None for torch's default), got {shown}.")
+        comm_dtype("param_dtype", self.param_dtype)
+        comm_dtype("reduce_dtype", self.reduce_dtype)
 
     @property
     def is_auto(self) -> bool:
@@ -143,6 +169,12 @@ class PaROOptions:
     def spec(self) -> Optional[ShardingSpec]:
         """The strategy given; None for "auto"."""
         return None if self.is_auto else ShardingSpec.parse(self.sharding)
+
+    @property
+    def comm_dtypes(self) -> CommDtypes:
+        """``param_dtype`` and ``reduce_dtype`` as the engine's
+        :class:`~lightning_paro.strategy.transitions.CommDtypes`."""
+        return CommDtypes(comm_dtype("param_dtype", self.param_dtype), comm_dtype("reduce_dtype", self.reduce_dtype))
 
     @property
     def gather_config(self) -> GatherConfig:

@@ -68,7 +68,9 @@ class PaROStrategy(ParallelStrategy):
     kept in ``auto_plan``), ``group_size`` (ranks per group; the processes per node), ``units``, ``prefetch``,
     ``chunk_bytes``, ``log_traffic``, ``auto`` (an :class:`~lightning_paro.planner.AutoConfig`),
     ``state_dict_type`` (``"sharded"`` directories any layout can read, or ``"full"`` files), ``gather`` (whether
-    evaluation and the module after fit hold the whole model), ``start_method``, ``process_group_backend`` and
+    evaluation and the module after fit hold the whole model), ``param_dtype`` and ``reduce_dtype`` (the dtypes
+    parameters are gathered and gradients reduced in during training, as FSDP2's ``MixedPrecisionPolicy``: "bf16"
+    halves those bytes), ``start_method``, ``process_group_backend`` and
     ``timeout`` (when a collective fails or stalls that long, every surviving rank raises
     :class:`~lightning_paro.comm.collectives.CollectiveError` naming the operation and scope). The others are
     Lightning's.
@@ -95,6 +97,8 @@ class PaROStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = _DEFAULT.timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = _DEFAULT.start_method,
         gather: Union[GatherMode, GatherConfig] = _DEFAULT.gather,
+        param_dtype: Union[str, torch.dtype, None] = _DEFAULT.param_dtype,
+        reduce_dtype: Union[str, torch.dtype, None] = _DEFAULT.reduce_dtype,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -106,7 +110,8 @@ class PaROStrategy(ParallelStrategy):
         self.options = PaROOptions(sharding=sharding, group_size=group_size, units=units, prefetch=prefetch,
                                    chunk_bytes=chunk_bytes, log_traffic=log_traffic, auto=auto,
                                    state_dict_type=state_dict_type, gather=gather, start_method=start_method,
-                                   process_group_backend=process_group_backend, timeout=timeout)
+                                   process_group_backend=process_group_backend, timeout=timeout,
+                                   param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         """The options as given (validated)."""
         self._auto = self.options.is_auto
         self.sharding: Optional[ShardingSpec] = self.options.spec
@@ -267,7 +272,8 @@ class PaROStrategy(ParallelStrategy):
         result = plan_for_job(self.lightning_module, raw, self.topology, self.root_device,
                               accumulation=trainer.accumulate_grad_batches if fitting else 1,
                               ranks_on_host=self.num_processes, units=self._units, prefetch=self._prefetch,
-                              config=self._auto_config, chunk_bytes=self._chunk_bytes)
+                              config=self._auto_config, chunk_bytes=self._chunk_bytes,
+                              comm=self.options.comm_dtypes)
         if result.choice is None:
             raise RuntimeError(f"sharding='auto' found no strategy that fits: {result.reason}")
         self.sharding = ShardingSpec.parse(self.broadcast(result.choice))
@@ -288,7 +294,8 @@ class PaROStrategy(ParallelStrategy):
         master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
         assert self.lightning_module is not None
         self.engine = PaROEngine(self.lightning_module, self.sharding, self._comm, optimizers=raw, units=self._units,
-                                 prefetch=self._prefetch, master_dtype=master_dtype)
+                                 prefetch=self._prefetch, master_dtype=master_dtype,
+                                 comm_dtypes=self.options.comm_dtypes)
         self.precision_plugin.paro_engine = self.engine
         self.precision_plugin.paro_sync_grads = self._before_clip
         if self.engine._untracked:
@@ -472,6 +479,7 @@ class PaROStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if self.engine is None:
             return self.lightning_module.state_dict()
+        self.engine.exact_params()  # the weights, not the copy rounded for the wire (param_dtype)
         return ckpt.module_state_to_save(self.engine, sharded=self.state_dict_type == "sharded")
 
     @override

@@ -12,12 +12,18 @@ transition is a short sequence of :class:`Collective`\\ s; four kinds of buffer 
 Shards are laid out so that every collective is contiguous and I -> G is a view (design, section 3): rank (i, j)
 holds intra block j at level I and sub-block i of it at level G, so a G-level shard is an I-level block reduced or
 gathered over the rail (``inter``) and a global collective is an intra one and a rail one (``link_phases``).
+
+Each collective also says the dtype it travels in (:class:`CommDtypes`, ``PaROStrategy(param_dtype=...,
+reduce_dtype=...)``): parameters in ``param_dtype``, gradients in ``reduce_dtype``, the buffer's own dtype where
+unset. So its bytes on the wire (:func:`wire_bytes`) are stated here too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 from lightning_paro.strategy.levels import Level, ShardingSpec
 
@@ -40,10 +46,53 @@ class Collective:
     full: Level
     """The level of its full side (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer): N for
     the whole buffer, I for one intra block (1/m of it)."""
+    dtype: torch.dtype | None = None
+    """The dtype it travels (and, for a reduction, sums) in; None: the buffer's own."""
 
     def full_fraction(self, group_size: int) -> float:
         """The full side's share of the whole buffer."""
         return 1.0 if self.full == Level.N else 1.0 / group_size
+
+    def wire_dtype(self, buffer_dtype: torch.dtype) -> torch.dtype:
+        """The dtype it travels in for a buffer of ``buffer_dtype``."""
+        return buffer_dtype if self.dtype is None else self.dtype
+
+
+@dataclass(frozen=True)
+class CommDtypes:
+    """The dtypes parameters and gradients travel in (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``);
+    the optimizer shard, the gradient accumulators and the parameters' own storage keep their dtypes."""
+
+    params: torch.dtype | None = None
+    """Parameter all-gathers (before a unit's use, and OS -> P after the update); None: the parameters' dtype."""
+    grads: torch.dtype | None = None
+    """Gradient reductions (after a unit's backward, and G -> OS at the boundary); None: the gradients' dtype."""
+
+
+EXACT = CommDtypes()
+"""Every buffer travels in its own dtype: the default, bit for bit what the engine holds."""
+
+
+def wire_bytes(c: Collective, nbytes: float, element_bytes: int) -> float:
+    """Bytes of ``c``'s full side on the wire, for a buffer whose full side holds ``nbytes`` in its own elements of
+    ``element_bytes`` each."""
+    if c.dtype is None:
+        return nbytes
+    return nbytes * dtype_bytes(c.dtype) / element_bytes
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def lossy(wire: torch.dtype, buffer_dtype: torch.dtype) -> bool:
+    """Whether a buffer of ``buffer_dtype`` sent as ``wire`` may arrive changed (rounded to fewer bits)."""
+    if wire == buffer_dtype:
+        return False
+    if not (wire.is_floating_point and buffer_dtype.is_floating_point):
+        return True
+    return torch.finfo(wire).bits <= torch.finfo(buffer_dtype).bits
 
 
 @dataclass(frozen=True)
@@ -59,47 +108,49 @@ class LinkPhase:
 Transition = tuple[Collective, ...]
 
 
-def gather_params(params: Level) -> Transition:
+def gather_params(params: Level, comm: CommDtypes = EXACT) -> Transition:
     """P-level shards -> the full parameters (before a unit's forward, and its backward)."""
-    return () if params == Level.N else (Collective("all_gather", SCOPE_OF[params], Level.N),)
+    return () if params == Level.N else (Collective("all_gather", SCOPE_OF[params], Level.N, comm.params),)
 
 
-def reduce_grads(grads: Level) -> Transition:
+def reduce_grads(grads: Level, comm: CommDtypes = EXACT) -> Transition:
     """A unit's full local gradient -> its G-level accumulator (after the unit's backward; nothing at G = N, where
     autograd accumulates into the full gradient)."""
-    return () if grads == Level.N else (Collective("reduce_scatter", SCOPE_OF[grads], Level.N),)
+    return () if grads == Level.N else (Collective("reduce_scatter", SCOPE_OF[grads], Level.N, comm.grads),)
 
 
-def grads_to_optim(grads: Level, optim: Level) -> Transition:
+def grads_to_optim(grads: Level, optim: Level, comm: CommDtypes = EXACT) -> Transition:
     """The accumulated gradient at level G -> level OS, summed over every rank (once per optimizer step)."""
+    d = comm.grads
     if grads == Level.N:
         if optim == Level.N:
-            return (Collective("all_reduce", "global", Level.N),)
+            return (Collective("all_reduce", "global", Level.N, d),)
         if optim == Level.I:
-            return (Collective("reduce_scatter", "intra", Level.N), Collective("all_reduce", "inter", Level.I))
-        return (Collective("reduce_scatter", "global", Level.N),)
+            return (Collective("reduce_scatter", "intra", Level.N, d), Collective("all_reduce", "inter", Level.I, d))
+        return (Collective("reduce_scatter", "global", Level.N, d),)
     if grads == Level.I:
         # the group has reduced its own contributions: the rail adds the other groups'
         if optim == Level.I:
-            return (Collective("all_reduce", "inter", Level.I),)
-        return (Collective("reduce_scatter", "inter", Level.I),)
+            return (Collective("all_reduce", "inter", Level.I, d),)
+        return (Collective("reduce_scatter", "inter", Level.I, d),)
     return ()  # G = G: the reduce-scatter of every micro-step summed over all ranks already
 
 
-def optim_to_params(optim: Level, params: Level) -> Transition:
+def optim_to_params(optim: Level, params: Level, comm: CommDtypes = EXACT) -> Transition:
     """The updated OS-level shard -> the P-level parameters (once per optimizer step, after the update)."""
     if params == optim:
         return ()
     if params == Level.N:
-        return (Collective("all_gather", SCOPE_OF[optim], Level.N),)
-    return (Collective("all_gather", "inter", Level.I),)  # G -> I: the sub-blocks of this rank's block, over its rail
+        return (Collective("all_gather", SCOPE_OF[optim], Level.N, comm.params),)
+    # G -> I: the sub-blocks of this rank's block, over its rail
+    return (Collective("all_gather", "inter", Level.I, comm.params),)
 
 
-def step_transitions(spec: ShardingSpec) -> dict[str, Transition]:
+def step_transitions(spec: ShardingSpec, comm: CommDtypes = EXACT) -> dict[str, Transition]:
     """Every transition of ``spec`` by name: what a strategy is, as traffic."""
-    return {"gather_params": gather_params(spec.params), "reduce_grads": reduce_grads(spec.grads),
-            "grads_to_optim": grads_to_optim(spec.grads, spec.optim),
-            "optim_to_params": optim_to_params(spec.optim, spec.params)}
+    return {"gather_params": gather_params(spec.params, comm), "reduce_grads": reduce_grads(spec.grads, comm),
+            "grads_to_optim": grads_to_optim(spec.grads, spec.optim, comm),
+            "optim_to_params": optim_to_params(spec.optim, spec.params, comm)}
 
 
 def link_phases(c: Collective, group_size: int, num_groups: int) -> tuple[LinkPhase, ...]:

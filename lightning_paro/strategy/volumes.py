@@ -3,7 +3,8 @@
 Figures are per rank and in bytes, summed over the collectives of the strategy's level transitions
 (``transitions.py``), as this engine issues them (hierarchical global collectives split into their intra and inter
 phases; ring algorithms: an all-gather or reduce-scatter over k ranks sends (k-1)/k of the full tensor, an all-reduce
-twice that). Pass padded element counts to match the engine exactly.
+twice that). Pass padded element counts to match the engine exactly. A collective that travels in another dtype than
+the buffer's (``CommDtypes``: ``param_dtype``, ``reduce_dtype``) counts the bytes of that dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_paro.strategy.levels import ShardingSpec
-from lightning_paro.strategy.transitions import Transition, link_phases, step_transitions
+from lightning_paro.strategy.transitions import EXACT, CommDtypes, Transition, link_phases, step_transitions, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -37,19 +38,19 @@ def _ring(op: str, ranks: int, nbytes: float) -> float:
     return (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks * nbytes
 
 
-def transition_traffic(transition: Transition, nbytes: float, m: int, g: int) -> Traffic:
-    """What one rank sends for ``transition`` on a buffer of ``nbytes``: each collective split into its link
-    phases, as the communicator runs it."""
+def transition_traffic(transition: Transition, nbytes: float, m: int, g: int, element_bytes: int = 4) -> Traffic:
+    """What one rank sends for ``transition`` on a buffer of ``nbytes`` (elements of ``element_bytes``): each
+    collective split into its link phases, as the communicator runs it, in the dtype it travels in."""
     out = Traffic(0, 0)
     for c in transition:
         for p in link_phases(c, m, g):
-            sent = _ring(p.op, m if p.link == "intra" else g, p.fraction * nbytes)
+            sent = _ring(p.op, m if p.link == "intra" else g, p.fraction * wire_bytes(c, nbytes, element_bytes))
             out = _add(out, Traffic(sent, 0) if p.link == "intra" else Traffic(0, sent))
     return out
 
 
 def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, g: int,
-                 accumulation: int, gathers: int = 2) -> Traffic:
+                 accumulation: int, gathers: int = 2, comm: CommDtypes = EXACT, element_bytes: int = 4) -> Traffic:
     """Traffic per optimizer step of ``spec`` (hierarchical collectives, split by scope).
 
     Args:
@@ -60,13 +61,15 @@ def step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float
         accumulation: A, micro-steps per optimizer step.
         gathers: parameter gathers per micro-step: 2 for a unit (before forward and before backward), 1 for the
             root unit, which stays gathered from the start of the forward to the end of the backward.
+        comm: the dtypes parameters and gradients travel in (default: their own).
+        element_bytes: b_p = b_g, bytes per parameter and gradient element (only read when ``comm`` sets a dtype).
     """
     return _step(spec, params_bytes, trainable_bytes, accumulation, gathers,
-                 lambda t, nbytes: transition_traffic(t, nbytes, m, g))
+                 lambda t, nbytes: transition_traffic(t, nbytes, m, g, element_bytes), comm)
 
 
 def flat_step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: float, m: int, n: int,
-                      accumulation: int) -> Traffic:
+                      accumulation: int, comm: CommDtypes = EXACT, element_bytes: int = 4) -> Traffic:
     """The PaRO paper's accounting: every global collective counted as inter-group traffic of a flat ring."""
     g = n // m
 
@@ -74,20 +77,21 @@ def flat_step_traffic(spec: ShardingSpec, params_bytes: float, trainable_bytes: 
         out = Traffic(0, 0)
         for c in transition:
             if c.scope == "global":
-                out = _add(out, Traffic(0, _ring(c.op, n, c.full_fraction(m) * nbytes)))
+                out = _add(out, Traffic(0, _ring(c.op, n, c.full_fraction(m) * wire_bytes(c, nbytes, element_bytes))))
             else:
-                out = _add(out, transition_traffic((c,), nbytes, m, g))
+                out = _add(out, transition_traffic((c,), nbytes, m, g, element_bytes))
         return out
 
-    return _step(spec, params_bytes, trainable_bytes, accumulation, 2, flat)
+    return _step(spec, params_bytes, trainable_bytes, accumulation, 2, flat, comm)
 
 
-def _step(spec: ShardingSpec, S: float, T: float, accumulation: int, gathers: int, traffic_of) -> Traffic:
+def _step(spec: ShardingSpec, S: float, T: float, accumulation: int, gathers: int, traffic_of,
+          comm: CommDtypes) -> Traffic:
     """The volumes of paro.md section 4, summed over the strategy's transitions; ``traffic_of(transition, nbytes)``
     is what a transition of a buffer of that size sends, which is where the two accountings differ. Per micro-step the
     parameters are gathered ``gathers`` times and the gradient reduced once; per optimizer step the gradient goes
     G -> OS and the trainable parameters (frozen ones never change) OS -> P."""
-    t = step_transitions(spec)
+    t = step_transitions(spec, comm)
     micro = _add(_scale(traffic_of(t["gather_params"], S), gathers), traffic_of(t["reduce_grads"], T))
     return _add(_scale(micro, accumulation), traffic_of(t["grads_to_optim"], T), traffic_of(t["optim_to_params"], T))
 

@@ -24,30 +24,37 @@ M, G = 2, 2
 NUMEL = 64  # a multiple of n: no padding, so bytes compare exactly
 
 
+BF16 = torch.bfloat16
+COMMS = {"exact": transitions.EXACT, "bf16": transitions.CommDtypes(BF16, BF16),
+         "bf16 params": transitions.CommDtypes(params=BF16), "bf16 grads": transitions.CommDtypes(grads=BF16)}
+
+
 class RecordingComm:
-    """The calls a FlatGroup makes, as (op, scope, full-side numel); no data moves."""
+    """The calls a FlatGroup makes, as (op, scope, full-side numel, dtype on the wire); no data moves."""
 
     def __init__(self) -> None:
         self.topology = Topology(world_size=M * G, group_size=M, rank=0)
-        self.calls: list[tuple[str, str, int]] = []
+        self.calls: list[tuple[str, str, int, torch.dtype]] = []
 
     def all_gather(self, out, shard, scope, async_op=False):
-        self.calls.append(("all_gather", scope, out.numel()))
+        assert shard.dtype == out.dtype
+        self.calls.append(("all_gather", scope, out.numel(), out.dtype))
 
     def reduce_scatter(self, out, full, scope, async_op=False):
-        self.calls.append(("reduce_scatter", scope, full.numel()))
+        assert out.dtype == full.dtype
+        self.calls.append(("reduce_scatter", scope, full.numel(), full.dtype))
 
     def all_reduce(self, tensor, scope, async_op=False):
-        self.calls.append(("all_reduce", scope, tensor.numel()))
+        self.calls.append(("all_reduce", scope, tensor.numel(), tensor.dtype))
 
     def submit(self, fn, *args, **kwargs):
         fn()
 
 
-def _engine_calls(spec: ShardingSpec) -> dict[str, list[tuple[str, str, int]]]:
+def _engine_calls(spec: ShardingSpec, comm_dtypes=transitions.EXACT) -> dict[str, list[tuple]]:
     comm = RecordingComm()
     param = nn.Parameter(torch.randn(NUMEL))
-    flat = FlatGroup([("w", param)], trainable=True, spec=spec, comm=comm)
+    flat = FlatGroup([("w", param)], trainable=True, spec=spec, comm=comm, comm_dtypes=comm_dtypes)
     seen = {}
 
     def run(name, fn):
@@ -64,17 +71,21 @@ def _engine_calls(spec: ShardingSpec) -> dict[str, list[tuple[str, str, int]]]:
     return seen
 
 
-def _table_calls(t: transitions.Transition) -> list[tuple[str, str, int]]:
-    return [(c.op, c.scope, int(NUMEL * c.full_fraction(M))) for c in t]
+def _table_calls(t: transitions.Transition) -> list[tuple]:
+    return [(c.op, c.scope, int(NUMEL * c.full_fraction(M)), c.wire_dtype(torch.float32)) for c in t]
 
 
+@pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("name", VALID_STRATEGIES)
-def test_the_engine_the_formulas_and_the_cost_model_read_one_table(name):
+def test_the_engine_the_formulas_and_the_cost_model_read_one_table(name, comm):
+    """Also with parameters and gradients travelling in bf16: the table says the dtype, the engine sends it, the
+    formulas count its bytes (half of fp32's)."""
     spec = ShardingSpec.parse(name)
-    table = transitions.step_transitions(spec)
+    comm_dtypes = COMMS[comm]
+    table = transitions.step_transitions(spec, comm_dtypes)
 
-    # 1. the engine issues exactly the table's collectives
-    engine = _engine_calls(spec)
+    # 1. the engine issues exactly the table's collectives, in the table's dtypes
+    engine = _engine_calls(spec, comm_dtypes)
     assert engine == {k: _table_calls(t) for k, t in table.items()}
 
     # 2. the volume formula is the table's bytes: gathers per micro-step, reduction, the two syncs
@@ -87,20 +98,24 @@ def test_the_engine_the_formulas_and_the_cost_model_read_one_table(name):
             for p in transitions.link_phases(c, M, G):
                 k = ring[p.link]
                 factor = 2 if p.op == "all_reduce" else 1
-                sent[p.link] += count[key] * factor * (k - 1) / k * p.fraction * nbytes
-    formula = step_traffic(spec, nbytes, nbytes, M, G, accumulation=1)
+                wire = 2 if c.dtype == BF16 else 4
+                sent[p.link] += count[key] * factor * (k - 1) / k * p.fraction * NUMEL * wire
+    formula = step_traffic(spec, nbytes, nbytes, M, G, accumulation=1, comm=comm_dtypes, element_bytes=4)
     assert (formula.intra, formula.inter) == pytest.approx((sent["intra"], sent["inter"]))
+    if comm == "bf16":
+        exact = step_traffic(spec, nbytes, nbytes, M, G, accumulation=1)
+        assert (formula.intra, formula.inter) == pytest.approx((exact.intra / 2, exact.inter / 2))
 
     # 3. the cost model times the table's phases
     cluster = Cluster(M * G, M, Link(1e9), Link(1e8), device_memory=1e12)
-    modelled = {"gather_params": gather_phases(spec.params, nbytes, cluster),
-                "reduce_grads": reduce_scatter_phases(spec.grads, nbytes, cluster),
-                "grads_to_optim": grad_sync_phases(spec, nbytes, cluster),
-                "optim_to_params": param_sync_phases(spec, nbytes, cluster)}
+    modelled = {"gather_params": gather_phases(spec.params, nbytes, cluster, comm_dtypes, 4),
+                "reduce_grads": reduce_scatter_phases(spec.grads, nbytes, cluster, comm_dtypes, 4),
+                "grads_to_optim": grad_sync_phases(spec, nbytes, cluster, comm_dtypes, 4),
+                "optim_to_params": param_sync_phases(spec, nbytes, cluster, comm_dtypes, 4)}
     for key, t in table.items():
-        phases = [p for c in t for p in transitions.link_phases(c, M, G)]
+        phases = [(p, 2 if c.dtype == BF16 else 4) for c in t for p in transitions.link_phases(c, M, G)]
         assert [(p.op, p.scope, p.nbytes) for p in modelled[key]] == [
-            (p.op, p.link, p.fraction * nbytes) for p in phases], key
+            (p.op, p.link, p.fraction * NUMEL * wire) for p, wire in phases], key
 
 
 def test_every_level_change_has_one_entry():

@@ -54,14 +54,16 @@ class Probe(L.Callback):
 
 with package_deprecations() as deprecations:
     for spec in strategies:
-        # NAME[@precision][#optimizer][%clip algorithm]
-        rest, _, clip = spec.partition("%")
+        # NAME[@precision][#optimizer][%clip algorithm][~communication dtype of parameters and gradients]
+        rest, _, comm_dtype = spec.partition("~")
+        rest, _, clip = rest.partition("%")
         rest, _, optimizer = rest.partition("#")
         name, _, precision = rest.partition("@")
         precision = precision or "32-true"
         torch.manual_seed(1234)
         model = TinyLM(optimizer=optimizer or "adamw")
-        strategy = "ddp_find_unused_parameters_true" if name == "ddp" else PaROStrategy(sharding=name, group_size=2)
+        strategy = "ddp_find_unused_parameters_true" if name == "ddp" else PaROStrategy(
+            sharding=name, group_size=2, param_dtype=comm_dtype or None, reduce_dtype=comm_dtype or None)
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
                             accumulate_grad_batches=ACC, gradient_clip_val=1.0 if clip != "value" else 0.05,
                             gradient_clip_algorithm=clip or "norm", precision=precision, logger=False,
