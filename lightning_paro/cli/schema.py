@@ -102,6 +102,10 @@ class ParoStrategyConfig:
     """PaROOptions.process_group_backend: gloo, nccl or null."""
     timeout_s: float = LIBRARY.timeout.total_seconds()
     """PaROOptions.timeout, in seconds."""
+    param_dtype: Optional[str] = LIBRARY.param_dtype
+    """PaROOptions.param_dtype: bf16, fp32 or null (the parameters' own dtype)."""
+    reduce_dtype: Optional[str] = LIBRARY.reduce_dtype
+    """PaROOptions.reduce_dtype: bf16, fp32 or null (the gradients' own dtype)."""
 
     def to_options(self) -> PaROOptions:
         """The library's options for this node, checked there; a value they refuse is a ConfigError naming its key
@@ -117,7 +121,8 @@ class ParoStrategyConfig:
                                prefetch=self.prefetch, chunk_bytes=self.chunk_bytes, log_traffic=self.log_traffic,
                                auto=auto, state_dict_type=self.state_dict_type, gather=self.gather,
                                start_method=self.start_method, process_group_backend=self.process_group_backend,
-                               timeout=timedelta(seconds=self.timeout_s))
+                               timeout=timedelta(seconds=self.timeout_s), param_dtype=self.param_dtype,
+                               reduce_dtype=self.reduce_dtype)
 
     def _link(self, side: str) -> Optional[Link]:
         """The given link of one side (None: the probe measures it); Link checks the overlap even without one."""
