@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 
 from lightning_paro import VALID_STRATEGIES, PaROStrategy
 from lightning_paro.cli import targets
-from lightning_paro.cli.compose import world_size
+from lightning_paro.cli.checks import world_size
 from lightning_paro.cli.progress import StepProgressBar
 from lightning_paro.cli.schema import (
     Config,

@@ -10,13 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lightning_paro.cli.compose import (
-    LAUNCH_TIME_ENV,
-    check_launch_environment,
-    load_config,
-    package_config_dir,
-    user_config_dirs,
-)
+from lightning_paro.cli.checks import check_launch_environment
+from lightning_paro.cli.compose import LAUNCH_TIME_ENV, load_config, package_config_dir, user_config_dirs
 from lightning_paro.cli.schema import ConfigError
 
 PROG = "lightning-paro"

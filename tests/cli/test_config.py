@@ -325,7 +325,7 @@ def test_a_value_the_model_refuses_is_one_line_before_anything_starts(tmp_path, 
 
 
 def test_torchrun_layout_must_match_the_trainer_config():
-    from lightning_paro.cli.compose import check_launch_environment
+    from lightning_paro.cli.checks import check_launch_environment
 
     cfg = load_config(["trainer.devices=2"])
     torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}
