@@ -24,12 +24,14 @@ from lightning_paro.strategy.volumes import step_traffic
 
 WORLD, M, STEPS, LAST = 4, 2, 300, 50
 EXACT_RUN, BF16_RUN = "IIG~-+-", "IIG~bf16+bf16"
+# 8 steps with a validation and a sharded checkpoint after step 4: P = N and P = I, each with a separate master
+CHECKED = ["NNG~bf16+bf16:8:check", "IIG~bf16+bf16:8:check"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm_dtypes")
-    launch("comm_dtypes.py", WORLD, str(out), str(STEPS), EXACT_RUN, BF16_RUN, timeout=240)
+    launch("comm_dtypes.py", WORLD, str(out), str(STEPS), EXACT_RUN, BF16_RUN, *CHECKED, timeout=240)
 
     def load(run):
         return ([json.loads((out / f"{run}.{r}.json").read_text()) for r in range(WORLD)],
@@ -80,6 +82,18 @@ def test_bf16_halves_every_byte_and_hands_back_exact_identical_weights(runs):
             assert torch.equal(v, weights[0][k]), (r, k)
     w = weights[0]["blocks.0.mlp.0.weight"]
     assert not torch.equal(w.to(torch.bfloat16).float(), w)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("run", CHECKED)
+def test_a_checkpoint_in_the_middle_of_training_holds_the_fp32_masters(runs, run):
+    """While training computes with the bf16-rounded copy (the parameter storage is rounded, its own slice too), a
+    sharded checkpoint holds exactly the optimizer's fp32 master weights on every rank; validation runs."""
+    ranks, _ = runs(run)
+    for r in range(WORLD):
+        assert all(ranks[r]["rounded_before_save"]), r
+        assert all(ranks[r]["checkpoint_is_master"]), r
+        assert math.isfinite(ranks[r]["val_loss"]) and ranks[r]["val_loss"] == ranks[0]["val_loss"]
 
 
 def test_the_options_name_the_dtypes_and_refuse_others():
