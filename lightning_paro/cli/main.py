@@ -137,11 +137,12 @@ def run(invocation: Invocation) -> int:
     if invocation.command in ("fit", "bench"):
         check_launch_environment(cfg)
     from lightning_paro import compat
-    from lightning_paro.cli.commands import COMMANDS
+    from lightning_paro.cli import bench, commands
 
     compat.check_private_apis()
 
-    COMMANDS[invocation.command](cfg)
+    run_command = {"fit": commands.fit, "predict": commands.predict, "bench": bench.bench}[invocation.command]
+    run_command(cfg)
     return 0
 
 
