@@ -35,7 +35,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -47,8 +46,10 @@ from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memo
 from lightning_paro.strategy import checkpoint as ckpt
 from lightning_paro.strategy.engine import Mode, PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
+from lightning_paro.strategy.manual import ManualSteps, check_one_optimizer
 from lightning_paro.strategy.options import GatherConfig, GatherMode, PaROOptions
 from lightning_paro.strategy.precision import to_paro_precision
+from lightning_paro.strategy.read_guard import drop_sharded_read_guard, guard_sharded_reads
 from lightning_paro.strategy.report import StepTraffic, format_summary
 from lightning_paro.strategy.units import UnitPolicy
 
@@ -240,7 +241,7 @@ class PaROStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
-        _drop_sharded_read_guard(self.lightning_module)  # whichever strategy left it: this one takes the module over
+        drop_sharded_read_guard(self.lightning_module)  # whichever strategy left it: this one takes the module over
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -613,7 +614,7 @@ class PaROStrategy(ParallelStrategy):
             else:
                 self.engine.release()
                 self._teardown_sharded()
-                _guard_sharded_reads(self.lightning_module)
+                guard_sharded_reads(self.lightning_module)
                 return
         self._failed = False
         super().teardown()
@@ -647,56 +648,6 @@ class PaROStrategy(ParallelStrategy):
                                        sharding=name)
 
 
-class ManualSteps:
-    """Manual optimization (``automatic_optimization=False``) on the engine.
-
-    ``manual_backward`` may run several times before a step, with forwards between: each backward only accumulates,
-    and the gradients reach the optimizer shards (``sync_grads``, once) when the step or a clip needs them. Between a
-    backward and the next forward, and after a step, the root unit is made ready again (gathered with the current
-    weights), since the training step may go on.
-    """
-
-    def __init__(self, engine: PaROEngine) -> None:
-        self.engine = engine
-        self.pending = False
-        """A backward ran since the last sync."""
-        self.synced = False
-        """The gradients are at the optimizer shards and the step has not run yet."""
-
-    def before_backward(self) -> None:
-        # Raised before the backward issues any collective, so that every rank stops with nothing in flight.
-        if self.synced:
-            raise RuntimeError("manual_backward ran after clip_gradients and before the optimizer step: under the PaRO"
-                               " strategy clip right before `opt.step()`, after the last manual_backward.")
-
-    def after_backward(self) -> None:
-        self.engine.finish_backward(sync=False)
-        self.pending = True
-        self.engine.prepare_next_forward()
-
-    def before_step(self) -> None:
-        """Before a step or a clip."""
-        if self.pending:
-            self.engine.sync_grads()
-            self.pending = False
-            self.synced = True
-
-    def after_step(self) -> None:
-        self.synced = False
-        self.engine.prepare_next_forward()
-
-
-def check_one_optimizer(optimizers: list[Optimizer]) -> None:
-    """The engine steps one optimizer (in automatic or manual optimization); fail at set-up, before any step, for
-    more."""
-    if len(optimizers) > 1:
-        names = ", ".join(type(o._optimizer if isinstance(o, LightningOptimizer) else o).__name__ for o in optimizers)
-        raise ValueError(
-            f"The PaRO strategy trains one optimizer; configure_optimizers returned {len(optimizers)} ({names}). Put"
-            " the parameters in one optimizer (each param group may set its own lr and hyper-parameters), or train"
-            " this module with strategy='ddp'.")
-
-
 def default_process_group_backend(device: torch.device) -> str:
     """The backend the strategy initialises the default group with: the device's own (NCCL on CUDA) with gloo beside
     it for CPU tensors (``"cuda:nccl,cpu:gloo"``), which Lightning's object broadcasts and any CPU tensor handed to a
@@ -726,33 +677,3 @@ def _all_reduce(tensor: Tensor, group: Optional[Any], reduce_op: Optional[Union[
         return tensor
     size = dist.get_world_size(group)
     return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
-
-
-_READ_GUARD = "_paro_sharded_read_guard"
-
-
-def _guard_sharded_reads(module: Optional[torch.nn.Module]) -> None:
-    """A module left sharded has parameters without storage: reading their values would touch freed memory and end
-    the process (a segmentation fault). Refuse its ``state_dict()``, the usual way to read it, with an error that says
-    what to do instead; the strategies' own reads (``keep_vars=True``, shapes only) go through. The handle lives on
-    the module, so whichever strategy sets up on it next removes it."""
-    if module is not None and getattr(module, _READ_GUARD, None) is None:
-        object.__setattr__(module, _READ_GUARD, module.register_state_dict_pre_hook(_refuse_reading_sharded))
-
-
-def _drop_sharded_read_guard(module: Optional[torch.nn.Module]) -> None:
-    handle: Optional[RemovableHandle] = getattr(module, _READ_GUARD, None) if module is not None else None
-    if handle is not None:
-        handle.remove()
-        object.__setattr__(module, _READ_GUARD, None)
-
-
-def _refuse_reading_sharded(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-    if not keep_vars:
-        raise RuntimeError(
-            f"{type(module).__name__}'s parameters were left sharded across the ranks after the last Trainer stage"
-            " (PaROStrategy gather='sharded', or 'auto' found they do not fit one rank), so it has no full values to"
-            " read. Use trainer.strategy.export_full_state_dict(path) (collective: call it on every rank) or"
-            " trainer.save_checkpoint(path), or pass gather=lightning_paro.GatherConfig(after_fit='full') to get them"
-            " back in full."
-        )

@@ -14,7 +14,7 @@ import torch
 from launch import launch
 
 from lightning_paro.strategy.checkpoint import convert_to_full, is_sharded_checkpoint
-from lightning_paro.strategy.strategy import ManualSteps, check_one_optimizer
+from lightning_paro.strategy.manual import ManualSteps, check_one_optimizer
 
 WORLD, TOL = 4, 1e-5
 SYSTEMS = ["IIG-sharded", "IIG-full", "GGG-sharded", "GGG-full", "GGG-full-sharded"]
