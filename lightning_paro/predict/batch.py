@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -12,16 +13,14 @@ IDLE_SHARD = -1
 
 
 class BatchTicket(NamedTuple):
-    """One batch's worth of dataset indices from a leased shard, as yielded by the shard sampler.
-
-    A NamedTuple (not a dataclass) because Lightning's device transfer rebuilds dataclasses field by
-    field and rejects frozen ones, while tuples pass through untouched.
-    """
+    """One batch's worth of dataset indices from a leased shard, as yielded by the shard sampler."""
 
     shard_id: int
     start_row: int
     end_row: int
-    indices: tuple
+    indices: Sequence[int]
+    """The batch's dataset indices: a ``range`` (three numbers however large the batch, when it is pickled to a
+    DataLoader worker and back)."""
     last: bool
     attempt: int
 
@@ -32,7 +31,7 @@ class BatchTicket(NamedTuple):
 
 
 def idle_ticket() -> BatchTicket:
-    return BatchTicket(IDLE_SHARD, 0, 0, (), False, 0)
+    return BatchTicket(IDLE_SHARD, 0, 0, range(0), False, 0)
 
 
 class RowFailure(NamedTuple):
@@ -47,21 +46,62 @@ class RowFailure(NamedTuple):
 
 @dataclass
 class ElasticBatch:
-    """A collated user batch plus the bookkeeping that gives every row its stable id."""
+    """A collated user batch plus the bookkeeping that gives every row its stable id.
+
+    It travels from a DataLoader worker to the model thread once per batch, so its bookkeeping is kept compact:
+    ``indices`` is a ``range`` when the rows are consecutive (the usual case) and ``ids`` an array when the ids are
+    numbers. Lightning moves it to the device through ``to``, which moves ``data`` only: Lightning's transfer would
+    otherwise walk every per-row value of the bookkeeping.
+    """
 
     data: Any
     """The user's collated batch of the rows that loaded (None when none did)."""
     ticket: BatchTicket
     """Where the rows came from."""
-    indices: list = field(default_factory=list)
-    """Dataset index of each row in ``data``, in order."""
-    ids: Optional[list] = None
-    """The user id column's value for each row in ``data``, when one is configured."""
+    indices: Sequence[int] = field(default_factory=list)
+    """Dataset index of each row in ``data``, in order (a ``range``, a list or an int64 array)."""
+    ids: Optional[Sequence] = None
+    """The user id column's value for each row in ``data``, when one is configured (a list or an array)."""
     failures: list = field(default_factory=list)
     """Rows that raised while loading."""
+    fetch_threads: int = 0
+    """Threads that read this batch's rows in the DataLoader worker (0: not read by a fetch pool)."""
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def to(self, device: Any, **kwargs: Any) -> "ElasticBatch":
+        """This batch with ``data`` moved to ``device`` (Lightning's batch transfer calls it)."""
+        from lightning.fabric.utilities import move_data_to_device
+
+        if self.data is None:
+            return self
+        return dataclasses.replace(self, data=move_data_to_device(self.data, device))
+
+
+def index_array(indices: Sequence[int]) -> np.ndarray:
+    """Row indices as an int64 array, without a Python int per row when they are a range."""
+    if isinstance(indices, range):
+        return np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
+    return np.asarray(indices, dtype=np.int64)
+
+
+def take(values: Sequence, positions: Sequence[int]) -> Sequence:
+    """``values`` at ``positions`` (an array, range or list), without a copy when the positions are all of them."""
+    if isinstance(positions, range) and positions == range(len(values)):
+        return values
+    if isinstance(values, np.ndarray):
+        return values[np.asarray(positions, dtype=np.int64)]
+    if isinstance(values, range):
+        return index_array(values)[np.asarray(positions, dtype=np.int64)]
+    return [values[p] for p in positions]
+
+
+def plain(value: Any) -> Any:
+    """A tensor or numpy scalar as a plain Python value, so it can be written and compared."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    return value
 
 
 @dataclass

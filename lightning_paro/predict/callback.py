@@ -71,6 +71,7 @@ class ElasticPredict(Callback):
         self.run.on_batch_end(outputs)
         if isinstance(batch, ElasticBatch) and not batch.ticket.idle:
             self.batches_run += 1
+            self.run.note_batch(batch)
         bar = _predict_bar(trainer)
         if bar is None:
             return

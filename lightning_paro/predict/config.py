@@ -42,8 +42,10 @@ class ElasticPredictConfig:
     """An idle worker duplicates a shard leased longer ago than this (tail stragglers); None disables."""
     poll_interval_s: float = 0.5
     """Seconds an idle worker waits between asking the ledger for work."""
-    fetch_threads: int = 1
-    """Rows of a batch read concurrently (threads per DataLoader worker); raise it for latency-bound storage."""
+    fetch_threads: Optional[int] = None
+    """Rows of a batch read concurrently (threads per DataLoader worker). None (the default): each DataLoader worker
+    chooses as it reads, doubling its threads while that reads batches faster (latency-bound storage) and keeping
+    one thread when it does not (rows bound by CPU); see ``FetchTuner``. A number fixes it."""
     row_retries: int = 1
     """Retries of a failing row (dataset) or batch (predict_step) before it is bisected and reported."""
     max_failed_rows: int = 0
@@ -64,8 +66,8 @@ class ElasticPredictConfig:
             raise ValueError(f"shard_size must be positive, got {self.shard_size}")
         if self.lease_ttl_s <= 0 or self.max_attempts < 1 or self.max_failed_rows < 0 or self.row_retries < 0:
             raise ValueError("lease_ttl_s > 0, max_attempts >= 1, row_retries >= 0 and max_failed_rows >= 0 are required")
-        if self.fetch_threads < 1:
-            raise ValueError("fetch_threads must be at least 1")
+        if self.fetch_threads is not None and (isinstance(self.fetch_threads, bool) or self.fetch_threads < 1):
+            raise ValueError(f"fetch_threads must be None (chosen automatically) or at least 1, got {self.fetch_threads!r}")
         if self.writer_queue_size < 1:
             raise ValueError("writer_queue_size must be at least 1")
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import os
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch.utils.data import Dataset, default_collate
 
-from lightning_paro.predict.batch import BatchTicket, ElasticBatch, RowFailure
+from lightning_paro.predict.batch import BatchTicket, ElasticBatch, RowFailure, plain
 
 
 class LoadedRows:
@@ -19,12 +22,19 @@ class LoadedRows:
     ``indices`` already collated, as ``default_collate`` would collate their samples.
     """
 
-    def __init__(self, ticket: BatchTicket, samples: list, indices: list, failures: list, batch: Any = None) -> None:
+    def __init__(self, ticket: BatchTicket, samples: list, indices: Sequence[int], failures: list, batch: Any = None,
+                 fetch_threads: int = 0) -> None:
         self.ticket = ticket
         self.samples = samples
         self.indices = indices
         self.failures = failures
         self.batch = batch
+        self.fetch_threads = fetch_threads
+
+
+def compact_indices(indices: list, ticket: BatchTicket) -> Sequence[int]:
+    """The loaded rows' indices, as the ticket's own range when every row of it loaded (they keep its order)."""
+    return ticket.indices if len(indices) == len(ticket.indices) else indices
 
 
 def load_row(dataset: Any, index: int, retries: int) -> tuple[Any, Optional[BaseException], str]:
@@ -38,25 +48,152 @@ def load_row(dataset: Any, index: int, retries: int) -> tuple[Any, Optional[Base
     raise AssertionError("unreachable")
 
 
+AUTO_FETCH_THREADS_MAX = 64
+"""The most threads per DataLoader worker that ``fetch_threads=None`` (automatic) chooses."""
+
+
+class FetchTuner:
+    """Chooses a DataLoader worker's fetch threads from how fast its batches read (``fetch_threads=None``).
+
+    Reading a row from remote storage waits on latency, not CPU, so more rows in flight read a batch faster; rows
+    that cost CPU (parsing, preprocessing) read no faster with more threads, which then only add switching.
+
+    * A read on one thread that kept it busy (CPU time over ``busy`` of the wall time) is bound by CPU: one thread
+      stays. One that left it idle tries as many threads as would keep it busy (the wall time over the CPU time,
+      rounded up to a power of two, at most ``max_threads`` and the batch's rows). The first row a worker reads is
+      read alone for this, so a latency-bound job is at full speed from its first batch on. A read shorter than
+      ``min_wall_s`` says nothing either way (and threads would not pay for themselves there): one thread stays.
+    * A try is kept when it reads batches at least ``gain`` times as fast (rows per second of a batch's read) as
+      the thread count it started from, and then twice as many threads are tried; a try that falls short gets a
+      second batch (one disturbed read does not end it), then is undone and not tried again for a pause that
+      doubles each time (``retry_after`` batches, at most ``max_pause``), so a job that becomes bound by latency
+      later is still found.
+    """
+
+    def __init__(self, max_threads: int = AUTO_FETCH_THREADS_MAX, gain: float = 1.25, busy: float = 0.8,
+                 retry_after: int = 8, max_pause: int = 256, min_wall_s: float = 0.002) -> None:
+        self.max_threads = max_threads
+        self.min_wall_s = min_wall_s
+        self.gain = gain
+        self.busy = busy
+        self.retry_after = retry_after
+        self.max_pause = max_pause
+        self.threads = 1
+        self.measured = False
+        """Whether a read was recorded yet (the first row of a worker is read alone while it is not)."""
+        self._base: Optional[tuple[int, float]] = None  # (threads, rows/s) a try started from
+        self._tries: list[float] = []  # the rates of the batches read in the current try
+        self._pause = 0
+        self._next_pause = retry_after
+
+    def choose(self, rows: int) -> int:
+        """Threads to read the next batch of ``rows`` rows with."""
+        return max(1, min(self.threads, rows))
+
+    def record(self, threads: int, rows: int, wall_s: float, cpu_s: Optional[float] = None,
+               batch_rows: Optional[int] = None) -> None:
+        """The read of ``rows`` rows on ``threads`` threads in ``wall_s`` seconds (and, on one thread, the CPU
+        seconds it took); decides the threads of the next read. ``batch_rows`` bounds a try (default ``rows``)."""
+        self.measured = True
+        limit = min(self.max_threads, batch_rows or rows)
+        if (wall_s <= 0 or threads != self.choose(rows) or (rows <= 1 and self._base is not None)
+                or (batch_rows or rows) < self.threads):  # a short batch (a shard's last) says little
+            return
+        rate = rows / wall_s
+        if self._base is not None:
+            self._tries.append(rate)
+            base_threads, base_rate = self._base
+            best = max(self._tries)
+            if best >= self.gain * base_rate:
+                self._base, self._tries = None, []
+                self._next_pause = self.retry_after  # paid: keep it and try twice as many at once
+                self._try(self.threads, best, 2 * self.threads, limit)
+            elif len(self._tries) >= 2:
+                self.threads = base_threads
+                self._base, self._tries = None, []
+                self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, self.max_pause)
+            return
+        if self._pause > 0:
+            self._pause -= 1
+            return
+        if wall_s < self.min_wall_s:
+            return  # too quick to tell
+        if threads == 1 and cpu_s is not None:
+            if cpu_s > self.busy * wall_s:
+                return  # bound by CPU
+            wanted = 2 ** math.ceil(math.log2(max(wall_s / max(cpu_s, 1e-9), 2.0)))
+            self._try(1, rate, wanted, limit)
+        else:
+            self._try(self.threads, rate, 2 * self.threads, limit)
+
+    def _try(self, base_threads: int, base_rate: float, threads: int, limit: int) -> None:
+        threads = min(threads, limit)
+        if threads > base_threads:
+            self._base = (base_threads, base_rate)
+            self.threads = threads
+
+
 class FetchPool:
     """Mixin: the fetch threads of a dataset, made in the process that uses them (a DataLoader worker) and dropped
-    when the dataset is pickled or forked, as threads do not survive either. Needs ``fetch_threads``, ``_pool`` and
-    ``_pool_pid`` set in ``__init__``."""
+    when the dataset is pickled or forked, as threads do not survive either. Needs ``fetch_threads`` (None chooses
+    them with a ``FetchTuner``), ``_pool`` and ``_pool_pid`` set in ``__init__``."""
 
-    fetch_threads: int
+    fetch_threads: Optional[int]
     _pool: Optional[ThreadPoolExecutor]
     _pool_pid: int
+    _pool_threads = 0
+    _tuner: Optional[FetchTuner] = None
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_pool"], state["_pool_pid"] = None, -1
+        state["_pool"], state["_pool_pid"], state["_tuner"] = None, -1, None
         return state
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="lightning-paro-fetch")
+    def _tuner_here(self) -> Optional[FetchTuner]:
+        """This process's tuner when the threads are chosen automatically (a fork or unpickling starts afresh)."""
+        if self.fetch_threads is not None:
+            return None
+        if self._tuner is None or self._pool_pid != os.getpid():
+            self._tuner = FetchTuner()
             self._pool_pid = os.getpid()
-        return self._pool
+            self._pool = None
+        return self._tuner
+
+    def _map(self, fn: Callable, items: Sequence) -> tuple[list, int]:
+        """``[fn(item) for item in items]``, on as many threads as chosen for them; also returns that number."""
+        tuner = self._tuner_here()
+        if tuner is None:
+            return self._timed(fn, items, self.fetch_threads, None, len(items)), self.fetch_threads
+        results: list = []
+        if not tuner.measured and len(items) > 2:
+            # a worker's first row is read alone: whether it waited or computed sets the threads of the rest
+            results = self._timed(fn, items[:1], 1, tuner, len(items))
+            items = items[1:]
+        threads = tuner.choose(len(items))
+        results.extend(self._timed(fn, items, threads, tuner, len(items) + len(results)))
+        return results, threads
+
+    def _timed(self, fn: Callable, items: Sequence, threads: int, tuner: Optional[FetchTuner],
+               batch_rows: int) -> list:
+        start, cpu = time.perf_counter(), time.thread_time()
+        if threads > 1 and len(items) > 1:
+            results = list(self._executor(threads).map(fn, items))
+            cpu_s = None
+        else:
+            results = [fn(item) for item in items]
+            cpu_s = time.thread_time() - cpu
+        if tuner is not None:
+            tuner.record(threads, len(items), time.perf_counter() - start, cpu_s, batch_rows)
+        return results
+
+    def _executor(self, threads: int) -> ThreadPoolExecutor:
+        pool = self._pool
+        if pool is None or self._pool_pid != os.getpid() or self._pool_threads != threads:
+            if pool is not None and self._pool_pid == os.getpid():
+                pool.shutdown(wait=False)
+            self._pool = pool = ThreadPoolExecutor(threads, thread_name_prefix="lightning-paro-fetch")
+            self._pool_pid, self._pool_threads = os.getpid(), threads
+        return pool
 
 
 class ElasticDataset(FetchPool, Dataset):
@@ -64,10 +201,11 @@ class ElasticDataset(FetchPool, Dataset):
 
     With ``fetch_threads > 1`` the rows of a batch are read concurrently by a thread pool in each
     DataLoader worker: reading from remote storage one object per row is bound by latency, not CPU,
-    so many requests in flight per worker multiply throughput without more worker processes.
+    so many requests in flight per worker multiply throughput without more worker processes. With
+    ``fetch_threads=None`` each worker chooses its threads as it reads (``FetchTuner``).
     """
 
-    def __init__(self, dataset: Any, row_retries: int = 1, fetch_threads: int = 1) -> None:
+    def __init__(self, dataset: Any, row_retries: int = 1, fetch_threads: Optional[int] = 1) -> None:
         self.dataset = dataset
         self.row_retries = row_retries
         self.fetch_threads = fetch_threads
@@ -82,17 +220,14 @@ class ElasticDataset(FetchPool, Dataset):
 
     def __getitems__(self, ticket: BatchTicket) -> LoadedRows:
         samples, indices, failures = [], [], []
-        if self.fetch_threads > 1 and len(ticket.indices) > 1:
-            loaded = list(self._executor().map(lambda i: load_row(self.dataset, i, self.row_retries), ticket.indices))
-        else:
-            loaded = [load_row(self.dataset, i, self.row_retries) for i in ticket.indices]
+        loaded, threads = self._map(lambda i: load_row(self.dataset, i, self.row_retries), ticket.indices)
         for index, (sample, error, tb) in zip(ticket.indices, loaded):
             if error is None:
                 samples.append(sample)
                 indices.append(index)
             else:
                 failures.append(RowFailure(index, index, "dataset", f"{type(error).__name__}: {error}", tb))
-        return LoadedRows(ticket, samples, indices, failures)
+        return LoadedRows(ticket, samples, compact_indices(indices, ticket), failures, fetch_threads=threads)
 
 
 class ElasticCollate:
@@ -113,7 +248,7 @@ class ElasticCollate:
             kept_samples, kept_indices = [], []
             for sample, index in zip(samples, indices):
                 try:
-                    ids.append(_plain(sample[self.id_column]))
+                    ids.append(plain(sample[self.id_column]))
                 except (KeyError, TypeError, IndexError) as exc:
                     failures.append(
                         RowFailure(index, index, "dataset", f"id column {self.id_column!r} missing: {exc!r}", "")
@@ -121,28 +256,30 @@ class ElasticCollate:
                     continue
                 kept_samples.append(sample)
                 kept_indices.append(index)
-            samples, indices = kept_samples, kept_indices
+            samples = kept_samples
+            indices = kept_indices if len(kept_indices) < len(indices) else indices
         data = self.collate_fn(samples) if samples else None
-        return ElasticBatch(data=data, ticket=loaded.ticket, indices=list(indices), ids=ids, failures=failures)
+        return ElasticBatch(data=data, ticket=loaded.ticket, indices=indices, ids=ids, failures=failures,
+                            fetch_threads=loaded.fetch_threads)
 
     def _collated(self, loaded: LoadedRows) -> ElasticBatch:
         """A batch the source read already collated: its ids are read from the id column as a whole."""
-        batch, indices = loaded.batch, list(loaded.indices)
+        batch, indices = loaded.batch, loaded.indices
         failures = list(loaded.failures)
+        threads = loaded.fetch_threads
         if self.id_column is None:
-            return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, failures=failures)
+            return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, failures=failures,
+                                fetch_threads=threads)
         try:
             column = batch[self.id_column]
         except (KeyError, TypeError, IndexError) as exc:  # as on the per-row path: every row lacks its id
             failures.extend(RowFailure(i, i, "dataset", f"id column {self.id_column!r} missing: {exc!r}", "")
                             for i in indices)
-            return ElasticBatch(data=None, ticket=loaded.ticket, indices=[], ids=[], failures=failures)
-        ids = column.tolist() if hasattr(column, "tolist") else [_plain(v) for v in column]
-        return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, ids=ids, failures=failures)
-
-
-def _plain(value: Any) -> Any:
-    """A tensor or numpy scalar id as a plain Python value, so it can be written and compared."""
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        return value.item()
-    return value
+            return ElasticBatch(data=None, ticket=loaded.ticket, indices=[], ids=[], failures=failures,
+                                fetch_threads=threads)
+        if isinstance(column, torch.Tensor) and column.ndim == 1:
+            ids = column.numpy()  # an array of numbers travels as one buffer, not a Python int per row
+        else:
+            ids = column.tolist() if hasattr(column, "tolist") else [plain(v) for v in column]
+        return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, ids=ids, failures=failures,
+                            fetch_threads=threads)

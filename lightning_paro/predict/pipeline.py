@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_paro.predict.batch import ElasticBatch, RowFailure, StepOutcome, batch_size_of, slice_batch
+from lightning_paro.predict.batch import ElasticBatch, RowFailure, StepOutcome, batch_size_of, slice_batch, take
 from lightning_paro.predict.config import ElasticPredictConfig
 from lightning_paro.predict.isolation import predict_isolated
 from lightning_paro.predict.loader import single_dataloader
@@ -58,13 +58,16 @@ class PipelineReport:
     replicas: dict = field(default_factory=dict)
     """Replica count of each stage."""
     profile_s_per_row: dict = field(default_factory=dict)
-    """Seconds per row of each stage in the profiling pass (empty when all replica counts were given)."""
+    """Seconds per row of each stage in the profiling pass (empty when there was nothing to choose: every replica
+    count given, or ``max_replicas`` leaving one replica to each stage)."""
     manifest: Optional[dict] = None
     """The job's manifest, when this run completed the job."""
     batches: int = 0
     """Batches this driver pushed through the pipeline."""
     stage_restarts: int = 0
     """Times the stages were restarted after a replica died."""
+    fetch_threads: dict = field(default_factory=dict)
+    """Batches read with each number of fetch threads per DataLoader worker (chosen when ``fetch_threads`` is None)."""
 
 
 def _call_model(model: torch.nn.Module, data: Any, batch_size: Optional[int], size: int) -> Any:
@@ -98,17 +101,27 @@ def concat_outputs(parts: list) -> Any:
 
 def next_stage_batch(batch: ElasticBatch, outcome: StepOutcome, stage: str) -> ElasticBatch:
     """The rows that passed a stage, with their outputs as the next stage's input."""
-    positions = [p for chunk_positions, _ in outcome.chunks for p in chunk_positions]
+    if len(outcome.chunks) == 1:
+        positions = outcome.chunks[0][0]  # every row passed: a range over the whole batch
+    else:
+        positions = [p for chunk_positions, _ in outcome.chunks for p in chunk_positions]
     data = concat_outputs([prediction for _, prediction in outcome.chunks]) if outcome.chunks else None
     failures = [f if f.stage != "predict_step" else RowFailure(f.index, f.row_id, stage, f.error, f.traceback)
                 for f in outcome.failures]
     return ElasticBatch(
         data=data,
         ticket=batch.ticket,
-        indices=[batch.indices[p] for p in positions],
-        ids=[batch.ids[p] for p in positions] if batch.ids is not None else None,
+        indices=_take_indices(batch.indices, positions),
+        ids=take(batch.ids, positions) if batch.ids is not None else None,
         failures=failures,
     )
+
+
+def _take_indices(indices, positions):
+    """The dataset indices at ``positions``, still a range when they are all of them."""
+    if isinstance(positions, range) and positions == range(len(indices)):
+        return indices
+    return [int(indices[p]) for p in positions]
 
 
 def _pack(item: Any) -> bytes:
@@ -225,13 +238,14 @@ def run_pipeline(
     loader = single_dataloader(dataloader)
     report = PipelineReport()
     fixed = {s.name: s.replicas for s in stages if s.replicas}
-    if len(fixed) < len(stages):
+    total = max(max_replicas or multiprocessing.cpu_count(), len(stages))
+    if len(fixed) < len(stages) and total > sum(fixed.values()) + len(stages) - len(fixed):
         sample = next(iter(DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=loader.collate_fn)))
         report.profile_s_per_row = profile_stages(stages, sample, repeats=profile_batches)
-        total = max_replicas or multiprocessing.cpu_count()
-        report.replicas = allocate_replicas(report.profile_s_per_row, max(total, len(stages)), fixed)
+        report.replicas = allocate_replicas(report.profile_s_per_row, total, fixed)
     else:
-        report.replicas = dict(fixed)
+        # every count is given, or the processes allowed leave one replica to each stage not given: no profiling
+        report.replicas = {s.name: fixed.get(s.name) or 1 for s in stages}
     log.info("pipeline replicas: %s", report.replicas)
 
     # the stage processes are forked before the worker's threads (writer, heartbeat) exist
@@ -276,7 +290,8 @@ def run_pipeline(
 
     try:
         for batch in run.dataloader:
-            if not batch.indices:
+            run.note_batch(batch)
+            if len(batch.indices) == 0:
                 # nothing to predict (idle ticket, or every row failed to load): skip the stages
                 done[sent] = StepOutcome(ticket=batch.ticket, indices=[], ids=batch.ids, failures=list(batch.failures))
             else:
@@ -293,6 +308,7 @@ def run_pipeline(
             flush()
         flush()
         report.batches = sent
+        report.fetch_threads = dict(run.fetch_threads_used)
         report.manifest = run.finish()
         failed = False
     except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -19,7 +20,7 @@ from lightning_paro.predict.config import ElasticPredictConfig
 from lightning_paro.predict.heartbeat import Heartbeat, ProgressClock
 from lightning_paro.predict.isolation import predict_isolated
 from lightning_paro.predict.ledger import Lease, Ledger
-from lightning_paro.predict.loader import sharded_dataloader
+from lightning_paro.predict.loader import BackgroundLoader, sharded_dataloader
 from lightning_paro.predict.manifest import finalize_job
 from lightning_paro.predict.progress import read_progress
 from lightning_paro.predict.reader import read_errors
@@ -89,9 +90,11 @@ class WorkerRun:
             self.sampler = ShardBatchSampler(
                 self.open_ledger, self.owner, int(loader.batch_size), config, self.in_flight, self._acknowledge, self.stop
             )
-            self.dataloader = sharded_dataloader(
+            self.dataloader = BackgroundLoader(sharded_dataloader(
                 loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads, layout
-            )
+            ))
+            self.fetch_threads_used: collections.Counter = collections.Counter()
+            """Batches read with each number of fetch threads (0: the source read them without a thread pool)."""
             self.writer = ShardWriter(
                 self.open_ledger,
                 self.output_dir,
@@ -139,6 +142,11 @@ class WorkerRun:
         self.progress_text = read_progress(ledger).summary()
         log.info("job %s: %s", self.config.job, self.progress_text)
 
+    def note_batch(self, batch: Any) -> None:
+        """Counts the fetch threads a batch of rows was read with."""
+        if isinstance(batch, ElasticBatch) and not batch.ticket.idle:
+            self.fetch_threads_used[batch.fetch_threads] += 1
+
     def on_batch_end(self, outputs: Any) -> None:
         """Hands one batch's predictions to the writer (blocking while its queue is full)."""
         # a heartbeat that stopped for good no longer renews this worker's leases: fail now, not after they expire
@@ -176,6 +184,7 @@ class WorkerRun:
     def abort(self) -> None:
         """Stops everything after an error and hands this worker's leases back at once."""
         self.stop.set()
+        self.dataloader.close()
         self.writer.abort()
         self.heartbeat.stop()
         try:
@@ -184,5 +193,6 @@ class WorkerRun:
             log.warning("could not release the leases of worker %s: %s", self.owner, exc)
 
     def close(self) -> None:
+        self.dataloader.close()  # its thread runs the sampler, whose ledger connection closes next
         self.sampler.close()
         self.ledger.close()

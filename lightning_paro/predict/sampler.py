@@ -42,7 +42,7 @@ def tickets_for_lease(lease: Lease, batch_size: int) -> Iterator[BatchTicket]:
     for start in range(lease.start_row, lease.end_row, batch_size):
         end = min(start + batch_size, lease.end_row)
         yield BatchTicket(
-            lease.shard_id, lease.start_row, lease.end_row, tuple(range(start, end)), end == lease.end_row, lease.attempt
+            lease.shard_id, lease.start_row, lease.end_row, range(start, end), end == lease.end_row, lease.attempt
         )
 
 

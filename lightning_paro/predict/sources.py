@@ -236,7 +236,8 @@ def concat_batches(parts: list) -> Optional[dict]:
 
 class SourceDataset(FetchPool, Dataset):
     """Reads tickets of a sharded source in DataLoader workers: the units a batch spans, concurrently
-    with ``fetch_threads > 1`` (one thread per unit piece), each streamed with per-row isolation.
+    with ``fetch_threads > 1`` (one thread per unit piece; ``None`` chooses them as it reads), each streamed with
+    per-row isolation.
 
     With ``batched`` (the DataLoader collates with ``default_collate``) and a source that has ``read_batch``,
     a ticket is read as batches of its unit pieces, concatenated, and handed on already collated; a piece the
@@ -244,7 +245,7 @@ class SourceDataset(FetchPool, Dataset):
     ticket down the per-row path, which isolates the failing rows.
     """
 
-    def __init__(self, source: Any, layout: SourceLayout, row_retries: int = 1, fetch_threads: int = 1,
+    def __init__(self, source: Any, layout: SourceLayout, row_retries: int = 1, fetch_threads: Optional[int] = 1,
                  batched: bool = False) -> None:
         self.source = source
         self.layout = layout
@@ -260,12 +261,12 @@ class SourceDataset(FetchPool, Dataset):
         return self.layout.num_rows
 
     def __getitem__(self, index: int) -> Any:
-        (samples, failures) = self._read(index, index + 1)
+        samples, failures, _ = self._read(index, index + 1)
         if failures:
             raise RuntimeError(failures[0].error)
         return samples[0][1]
 
-    def _read(self, start: int, stop: int) -> tuple[list, list]:
+    def _read(self, start: int, stop: int) -> tuple[list, list, int]:
         pieces = self.layout.pieces(start, stop)
 
         def one(piece: tuple[int, int, int]) -> tuple[list, list]:
@@ -273,16 +274,14 @@ class SourceDataset(FetchPool, Dataset):
             first = self.layout.starts[unit_index] + lo
             return read_piece(self.source, self.layout.units[unit_index], lo, hi, first, self.row_retries)
 
-        if self.fetch_threads > 1 and len(pieces) > 1:
-            results = list(self._executor().map(one, pieces))
-        else:
-            results = [one(p) for p in pieces]
+        results, threads = self._map(one, pieces)
         samples = [s for r in results for s in r[0]]
         failures = [f for r in results for f in r[1]]
-        return samples, failures
+        return samples, failures, threads
 
-    def _read_batched(self, start: int, stop: int) -> Optional[dict]:
-        """Rows ``[start, stop)`` as one collated batch, or None when the per-row path must read them."""
+    def _read_batched(self, start: int, stop: int) -> tuple[Optional[dict], int]:
+        """Rows ``[start, stop)`` as one collated batch, or None when the per-row path must read them; and the
+        threads that read it."""
         pieces = self.layout.pieces(start, stop)
 
         def one(piece: tuple[int, int, int]) -> Optional[dict]:
@@ -291,15 +290,12 @@ class SourceDataset(FetchPool, Dataset):
             return batch if batch is not None and _rows_in(batch) == hi - lo else None
 
         try:
-            if self.fetch_threads > 1 and len(pieces) > 1:
-                parts = list(self._executor().map(one, pieces))
-            else:
-                parts = [one(p) for p in pieces]
+            parts, threads = self._map(one, pieces)
         except Exception:  # a poison row, a failed read: the per-row path reads the range again and isolates it
-            return None
+            return None, 0
         if not parts or any(p is None for p in parts):
-            return None
-        return concat_batches(parts)
+            return None, threads
+        return concat_batches(parts), threads
 
     def __getitems__(self, ticket: BatchTicket) -> LoadedRows:
         if not ticket.indices:
@@ -307,8 +303,10 @@ class SourceDataset(FetchPool, Dataset):
         # a ticket is a contiguous range of one shard (see sampler.tickets_for_lease)
         start, stop = ticket.indices[0], ticket.indices[-1] + 1
         if self.batched:
-            batch = self._read_batched(start, stop)
+            batch, threads = self._read_batched(start, stop)
             if batch is not None:
-                return LoadedRows(ticket, [], list(range(start, stop)), [], batch=batch)
-        samples, failures = self._read(start, stop)
-        return LoadedRows(ticket, [s for _, s in samples], [i for i, _ in samples], failures)
+                return LoadedRows(ticket, [], range(start, stop), [], batch=batch, fetch_threads=threads)
+        samples, failures, threads = self._read(start, stop)
+        indices = [i for i, _ in samples]
+        indices = range(start, stop) if len(indices) == stop - start else indices
+        return LoadedRows(ticket, [s for _, s in samples], indices, failures, fetch_threads=threads)

@@ -6,12 +6,18 @@ import logging
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import pyarrow as pa
 
 from lightning_paro.predict import shard_files
-from lightning_paro.predict.batch import BatchTicket, RowFailure, StepOutcome
+from lightning_paro.predict.batch import (
+    BatchTicket,
+    RowFailure,
+    StepOutcome,
+    index_array,
+    take,
+)
 from lightning_paro.predict.columns import prediction_columns
 from lightning_paro.predict.heartbeat import ProgressClock
 from lightning_paro.predict.ledger import CommitResult, Lease, Ledger
@@ -205,10 +211,10 @@ class ShardWriter(threading.Thread):
             self._finish(ledger, shard)
             self._open = None
 
-    def _table(self, outcome: StepOutcome, positions: list, prediction) -> pa.Table:
-        columns = {self.index_column: pa.array([outcome.indices[p] for p in positions], pa.int64())}
+    def _table(self, outcome: StepOutcome, positions: Sequence[int], prediction) -> pa.Table:
+        columns = {self.index_column: pa.array(take(index_array(outcome.indices), positions), pa.int64())}
         if self.id_column is not None and outcome.ids is not None:
-            columns[self.id_column] = pa.array([outcome.ids[p] for p in positions])
+            columns[self.id_column] = pa.array(take(outcome.ids, positions))
         for name, array in prediction_columns(prediction, len(positions)).items():
             if name in columns:
                 raise ValueError(

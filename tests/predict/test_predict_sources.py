@@ -294,7 +294,7 @@ def test_a_pipeline_reads_a_sharded_source_after_profiling_it(tmp_path):
     out = tmp_path / "out"
     stages = [PipelineStage("triple", build_triple), PipelineStage("plus_one", build_plus_one)]
     report = run_pipeline(stages, DataLoader(ListSource((7, 40, 13)), batch_size=8), str(out), shard_size=16,
-                          max_replicas=2)
+                          max_replicas=3)
     assert set(report.profile_s_per_row) == {"triple", "plus_one"}
     table = read_predictions(out)
     assert table.column("row_id").to_pylist() == list(range(60))

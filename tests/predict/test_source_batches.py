@@ -146,10 +146,10 @@ def test_a_batched_read_collates_exactly_like_the_rows_across_units(tmp_path, op
         loaded = fast.__getitems__(ticket)
         assert loaded.batch is not None and loaded.samples == []
         got, want = collate(loaded), collate(rows.__getitems__(ticket))
-        assert got.indices == want.indices == list(range(start, stop))
-        assert got.ids == want.ids and got.failures == want.failures == []
+        assert list(got.indices) == list(want.indices) == list(range(start, stop))
+        assert list(got.ids) == list(want.ids) and got.failures == want.failures == []
         assert_same_batch(got.data, want.data)
-    assert got.ids[:3] == ([10_000_000_000, 10_000_000_001, 10_000_000_002] if "key" in options and options["key"] == "k"
+    assert list(got.ids[:3]) == ([10_000_000_000, 10_000_000_001, 10_000_000_002] if "key" in options and options["key"] == "k"
                            else ["n0", "n1", "n2"] if "key" in options else ["a.parquet:0", "a.parquet:1", "a.parquet:2"])
 
 
