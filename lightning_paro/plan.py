@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype parameters are gathered in (the strategy's param_dtype); default: their own")
     p.add_argument("--reduce-dtype", choices=["bf16", "fp32"], default=None,
                    help="dtype gradients are reduced in (the strategy's reduce_dtype); default: their own")
+    p.add_argument("--inter-quant", choices=["int8"], default=None,
+                   help="block-quantize the rail syncs between groups (the strategy's inter_quant)")
     p.add_argument("--activation-bytes-per-token", type=float, default=0.0, help="activation memory per token")
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (the strategy's prefetch)")
     p.add_argument("--chunk-mib", type=float, default=None,
@@ -90,7 +92,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                             optim_bytes=args.optim_bytes if args.optim_bytes is not None else kb,
                             activation_bytes_per_token=args.activation_bytes_per_token,
                             comm=CommDtypes(comm_dtype("param_dtype", args.param_dtype),
-                                            comm_dtype("reduce_dtype", args.reduce_dtype)))
+                                            comm_dtype("reduce_dtype", args.reduce_dtype), args.inter_quant))
         cluster = Cluster(n, m, Link.gbit(args.intra_gbps, args.intra_latency_us, args.intra_overlap),
                           Link.gbit(inter_gbps, args.inter_latency_us, args.inter_overlap),
                           args.device_memory_gib * GIB)

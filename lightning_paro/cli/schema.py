@@ -106,6 +106,8 @@ class ParoStrategyConfig:
     """PaROOptions.param_dtype: bf16, fp32 or null (the parameters' own dtype)."""
     reduce_dtype: Optional[str] = LIBRARY.reduce_dtype
     """PaROOptions.reduce_dtype: bf16, fp32 or null (the gradients' own dtype)."""
+    inter_quant: Optional[str] = LIBRARY.inter_quant
+    """PaROOptions.inter_quant: int8 or null."""
 
     def to_options(self) -> PaROOptions:
         """The library's options for this node, checked there; a value they refuse is a ConfigError naming its key
@@ -122,7 +124,7 @@ class ParoStrategyConfig:
                                auto=auto, state_dict_type=self.state_dict_type, gather=self.gather,
                                start_method=self.start_method, process_group_backend=self.process_group_backend,
                                timeout=timedelta(seconds=self.timeout_s), param_dtype=self.param_dtype,
-                               reduce_dtype=self.reduce_dtype)
+                               reduce_dtype=self.reduce_dtype, inter_quant=self.inter_quant)
 
     def _link(self, side: str) -> Optional[Link]:
         """The given link of one side (None: the probe measures it); Link checks the overlap even without one."""

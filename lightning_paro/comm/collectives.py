@@ -49,7 +49,7 @@ from typing import Any, Callable, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_paro.comm import ho_ring, pieces
+from lightning_paro.comm import ho_ring, pieces, quantize
 from lightning_paro.comm.accounting import INTER, INTRA, TrafficMeter, ring_bytes
 from lightning_paro.comm.group_cache import cached_groups, default_timeout, stall_limit
 from lightning_paro.comm.ho_ring import HORingConfig
@@ -276,12 +276,18 @@ class Communicator:
         return self._worker.thread
 
     # ------------------------------------------------------------------ public collectives
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope, async_op: bool = False) -> CommHandle | None:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope, async_op: bool = False,
+                   quant: str | None = None) -> CommHandle | None:
         """Gather ``shard`` from every rank of ``scope`` into ``out`` (in place where ``shard`` is this rank's slot).
 
         ``global`` gathers 1/n shards at their layout positions: inter all-gather into this rank's intra block, then
-        intra all-gather of the blocks.
+        intra all-gather of the blocks. ``quant`` ("int8"): a rail all-gather sends the shards block-quantized
+        (``comm.quantize``).
         """
+        if self._quantized(quant, scope):
+            self._account_quantized("all_gather", shard.numel(), 1)
+            k, group = self.topology.num_groups, self._groups.rail
+            return self._submit(lambda: quantize.all_gather(out, shard, group, k), async_op, "all_gather", scope)
         nbytes = out.numel() * out.element_size()
         if scope == "global":
             self._account("all_gather", INTER, nbytes // self.topology.group_size)
@@ -291,8 +297,16 @@ class Communicator:
         return self._submit(lambda: self._all_gather(out, shard, scope), async_op, "all_gather", scope)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
-                       async_op: bool = False) -> CommHandle | None:
-        """Reduce ``full`` over the ranks of ``scope`` and keep this rank's slice of it in ``out``."""
+                       async_op: bool = False, quant: str | None = None) -> CommHandle | None:
+        """Reduce ``full`` over the ranks of ``scope`` and keep this rank's slice of it in ``out``. ``quant``
+        ("int8"): a rail reduce-scatter sends each slice block-quantized to its owner (``comm.quantize``)."""
+        if self._quantized(quant, scope):
+            if op != "sum":
+                raise ValueError("a quantized reduce-scatter sums")
+            self._account_quantized("reduce_scatter", out.numel(), 1)
+            k, group, i = self.topology.num_groups, self._groups.rail, self.topology.group_index
+            return self._submit(lambda: quantize.reduce_scatter(out, full, group, k, i), async_op, "reduce_scatter",
+                                scope)
         nbytes = full.numel() * full.element_size()
         if scope == "global":
             self._account("reduce_scatter", INTRA, nbytes)
@@ -302,8 +316,15 @@ class Communicator:
         return self._submit(lambda: self._reduce_scatter(out, full, scope, op), async_op, "reduce_scatter", scope)
 
     def all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
-                   async_op: bool = False) -> CommHandle | None:
-        """Reduce ``tensor`` in place over the ranks of ``scope`` (``global`` runs hierarchically)."""
+                   async_op: bool = False, quant: str | None = None) -> CommHandle | None:
+        """Reduce ``tensor`` in place over the ranks of ``scope`` (``global`` runs hierarchically). ``quant``
+        ("int8"): a rail all-reduce is a quantized reduce-scatter and all-gather (``comm.quantize``)."""
+        if self._quantized(quant, scope):
+            if op != "sum":
+                raise ValueError("a quantized all-reduce sums")
+            self._account_quantized("all_reduce", tensor.numel() // self.topology.num_groups, 2)
+            k, group, i = self.topology.num_groups, self._groups.rail, self.topology.group_index
+            return self._submit(lambda: quantize.all_reduce(tensor, group, k, i), async_op, "all_reduce", scope)
         nbytes = tensor.numel() * tensor.element_size()
         if scope == "global":
             self._account("reduce_scatter", INTRA, nbytes)
@@ -362,6 +383,19 @@ class Communicator:
         if self.device is not None and tensor.device != self.device:
             raise ValueError(f"PaRO {op}: the tensor is on {tensor.device}, the communicator's groups carry "
                              f"{self.device}; allocate control tensors on the compute device.")
+
+    def _quantized(self, quant: str | None, scope: Scope) -> bool:
+        """Whether a collective goes quantized: asked for, over the rail, and across more than one group."""
+        if quant is None:
+            return False
+        if quant not in quantize.SCHEMES or scope != INTER:
+            raise ValueError(f"PaRO quantizes rail collectives with {quantize.SCHEMES}, not {quant!r} over {scope!r}")
+        return self.topology.num_groups > 1
+
+    def _account_quantized(self, op: str, slice_numel: int, times: int) -> None:
+        """A quantized rail collective sends one payload of a slice to each of the other groups (``times`` rounds)."""
+        sent = times * (self.topology.num_groups - 1) * quantize.payload_bytes(slice_numel)
+        self.meter.record(op, INTER, sent)
 
     def _account(self, op: str, scope: str, nbytes: int) -> None:
         # Recorded when issued (sizes are known), so a step's figures are complete even while its collectives run.

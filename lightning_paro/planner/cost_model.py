@@ -59,7 +59,7 @@ from lightning_paro.planner.phases import (
     seconds_and_processor_seconds,
 )
 from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
-from lightning_paro.strategy.transitions import dtype_bytes
+from lightning_paro.strategy.transitions import dtype_bytes, optim_to_params
 from lightning_paro.strategy.volumes import Traffic, model_state_bytes, step_traffic
 
 
@@ -300,10 +300,11 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
 def rounds_param_sync(spec: ShardingSpec, workload: Workload) -> bool:
     """Whether the engine keeps a separate master copy because the OS -> P sync rounds the parameters
     (``FlatGroup.rounds_param_sync``): P differs from OS and parameters travel in fewer bytes than they are stored
-    in; not counted again when ``optim_bytes`` holds a master already (16-bit parameters)."""
-    wire = workload.comm.params
-    return (spec.params != spec.optim and wire is not None and dtype_bytes(wire) < workload.param_bytes
-            and workload.param_bytes >= 4)
+    in, or quantized; not counted again when ``optim_bytes`` holds a master already (16-bit parameters)."""
+    if workload.param_bytes < 4:
+        return False
+    return any(c.quant is not None or (c.dtype is not None and dtype_bytes(c.dtype) < workload.param_bytes)
+               for c in optim_to_params(spec.optim, spec.params, workload.comm))
 
 
 def traffic(spec: ShardingSpec, workload: Workload, cluster: Cluster) -> Traffic:

@@ -25,7 +25,8 @@ HO-Ring's point-to-point sends can use a link better than the backend's collecti
 
 A buffer is given in bytes of its own elements (``element_bytes`` each); a collective that travels in another dtype
 (``param_dtype``, ``reduce_dtype``: the transition table's :class:`~lightning_paro.strategy.transitions.CommDtypes`)
-moves the bytes of that dtype (``transitions.wire_bytes``).
+moves the bytes of that dtype, a quantized rail collective (``inter_quant``) its payloads
+(``transitions.phase_wire_bytes``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from lightning_paro.strategy.transitions import (
     link_phases,
     optim_to_params,
     reduce_grads,
-    wire_bytes,
+    phase_wire_bytes,
 )
 
 HO_RING_CHUNKS_IN_FLIGHT = 2
@@ -128,9 +129,8 @@ def transition_phases(transition: Transition, nbytes: float, cluster: Cluster,
     m, g = cluster.group_size, cluster.num_groups
     out: list[Phase] = []
     for c in transition:
-        wire = wire_bytes(c, nbytes, element_bytes)
-        phases = [Phase(p.op, p.link, m if p.link == "intra" else g, p.fraction * wire)
-                  for p in link_phases(c, m, g)]
+        phases = [Phase(p.op, p.link, k, phase_wire_bytes(c, p, nbytes, element_bytes, k))
+                  for p in link_phases(c, m, g) for k in [m if p.link == "intra" else g]]
         out += _global(*phases) if c.scope == "global" else _phases(*phases)
     return tuple(out)
 

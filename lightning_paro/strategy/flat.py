@@ -6,7 +6,8 @@ them between levels. It does not know about hooks or Lightning: the engine decid
 **Communication dtypes** (``transitions.CommDtypes``). A collective whose dtype differs from the buffer's travels
 through a scratch buffer of that dtype: the parameters are cast before an all-gather and the result cast back into
 the buffer; a gradient is flattened straight into the reduction dtype and each reduced shard added to the
-accumulator in the accumulator's dtype. When parameters travel in fewer bits than they are stored in (bf16 for fp32),
+accumulator in the accumulator's dtype. A rail collective may go block-quantized (``inter_quant``: the communicator
+quantizes and dequantizes). When parameters travel in fewer bits than they are stored in (bf16 for fp32, or int8),
 what every rank computes with is the same rounded copy: a gathered unit is rounded on the wire, and the OS -> P sync
 writes the rounded values into every rank's P-level storage, its own slice included, so the optimizer keeps a
 separate master copy. Such rounded storage is made exact again (:meth:`FlatGroup.exact_params`, the sync in the
@@ -24,7 +25,7 @@ from lightning_paro.comm.collectives import CommHandle, Communicator
 from lightning_paro.strategy import transitions
 from lightning_paro.strategy.layout import ShardLayout
 from lightning_paro.strategy.levels import Level, ShardingSpec
-from lightning_paro.strategy.transitions import EXACT, CommDtypes, lossy
+from lightning_paro.strategy.transitions import EXACT, CommDtypes, lossy, rounds
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -187,9 +188,9 @@ class FlatGroup:
     @property
     def rounds_param_sync(self) -> bool:
         """Whether the OS -> P sync rounds what it writes (parameters travel in fewer bits than they are stored in,
-        and P differs from OS): the optimizer's master copy must then be kept apart from the P-level storage."""
-        return (self.spec.params != self.spec.optim and self.comm_dtypes.params is not None
-                and lossy(self.comm_dtypes.params, self.dtype))
+        or quantized): the optimizer's master copy must then be kept apart from the P-level storage."""
+        sync = transitions.optim_to_params(self.spec.optim, self.spec.params, self.comm_dtypes)
+        return any(rounds(c, self.dtype) for c in sync)
 
     @property
     def own_param_slot(self) -> torch.Tensor:
@@ -309,10 +310,10 @@ class FlatGroup:
         buf = grad if not sync else grad.to(sync[0].wire_dtype(self.dtype))  # the same tensor in its own dtype
         for c in sync:
             if c.op == "all_reduce":
-                self.comm.all_reduce(buf, c.scope)
+                self.comm.all_reduce(buf, c.scope, quant=c.quant)
             else:  # reduce_scatter: this rank's slice of the sum
                 out = torch.empty(buf.numel() // ranks[c.scope], dtype=buf.dtype, device=self.device)
-                self.comm.reduce_scatter(out, buf, c.scope)
+                self.comm.reduce_scatter(out, buf, c.scope, quant=c.quant)
                 buf = out
         if buf is not grad:  # back to the accumulator's dtype
             grad = grad.copy_(buf) if buf.numel() == grad.numel() else buf.to(self.dtype)
@@ -351,7 +352,7 @@ class FlatGroup:
         own = self.own_param_slot
         sync = transitions.optim_to_params(self.spec.optim, self.spec.params, comm_dtypes)  # one all-gather, or none
         wire = sync[0].wire_dtype(self.dtype) if sync else self.dtype
-        if wire == self.dtype:
+        if wire == self.dtype and not any(c.quant for c in sync):
             if self.master.data_ptr() != own.data_ptr():
                 with torch.no_grad():
                     own.copy_(self.master)
@@ -368,11 +369,11 @@ class FlatGroup:
         shard = buf[o0 - p0:o1 - p0]
         with torch.no_grad():
             shard.copy_(self.master)
-        self.comm.all_gather(buf, shard, c.scope, async_op=True)
+        self.comm.all_gather(buf, shard, c.scope, async_op=True, quant=c.quant)
         p_local = self.p_local
         self.pending_param_sync = self.comm.submit(lambda: p_local.copy_(buf), what="parameter copy after all_gather",
                                                    scope=c.scope)
-        self.params_exact = not lossy(wire, self.dtype)
+        self.params_exact = not rounds(c, self.dtype)
 
     def wait_param_sync(self) -> None:
         if self.pending_param_sync is not None:

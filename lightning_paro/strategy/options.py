@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
+from lightning_paro.comm.quantize import SCHEMES
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.transitions import CommDtypes
 
@@ -123,6 +124,10 @@ class PaROOptions:
     reduce_dtype: Union[str, torch.dtype, None] = None
     """The dtype gradients are reduced in ("bf16" or "fp32"; FSDP2's ``reduce_dtype``): each reduce-scatter and
     all-reduce sends and sums them in it; the accumulators keep the gradients' dtype. None: the gradients' own."""
+    inter_quant: Optional[str] = None
+    """"int8": the collectives between groups over the rail (the once-per-step gradient and parameter syncs of IIG,
+    III, NII, INI, NNI) go block-quantized, one fp32 scale per 256 elements, each contribution quantized once;
+    collectives inside groups, and the global (HO-Ring) ones, are not. None: no quantization."""
 
     def __post_init__(self) -> None:
         if not self.is_auto:
@@ -159,6 +164,9 @@ class PaROOptions:
                                          f" timedelta, or None for torch's default), got {shown}.")
         comm_dtype("param_dtype", self.param_dtype)
         comm_dtype("reduce_dtype", self.reduce_dtype)
+        if self.inter_quant is not None and self.inter_quant not in SCHEMES:
+            raise OptionError("inter_quant", f"inter_quant must be 'int8' (block-quantized traffic between groups) or"
+                                             f" None, got {self.inter_quant!r}.")
 
     @property
     def is_auto(self) -> bool:
@@ -174,7 +182,8 @@ class PaROOptions:
     def comm_dtypes(self) -> CommDtypes:
         """``param_dtype`` and ``reduce_dtype`` as the engine's
         :class:`~lightning_paro.strategy.transitions.CommDtypes`."""
-        return CommDtypes(comm_dtype("param_dtype", self.param_dtype), comm_dtype("reduce_dtype", self.reduce_dtype))
+        return CommDtypes(comm_dtype("param_dtype", self.param_dtype), comm_dtype("reduce_dtype", self.reduce_dtype),
+                          self.inter_quant)
 
     @property
     def gather_config(self) -> GatherConfig:

@@ -15,7 +15,9 @@ gathered over the rail (``inter``) and a global collective is an intra one and a
 
 Each collective also says the dtype it travels in (:class:`CommDtypes`, ``PaROStrategy(param_dtype=...,
 reduce_dtype=...)``): parameters in ``param_dtype``, gradients in ``reduce_dtype``, the buffer's own dtype where
-unset. So its bytes on the wire (:func:`wire_bytes`) are stated here too.
+unset; and a rail collective (scope ``inter``) whether it is block-quantized (``inter_quant``,
+``lightning_paro.comm.quantize``). So its bytes on the wire (:func:`wire_bytes`, :func:`phase_wire_bytes`) are
+stated here too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from lightning_paro.comm.quantize import payload_bytes
 from lightning_paro.strategy.levels import Level, ShardingSpec
 
 Op = Literal["all_gather", "reduce_scatter", "all_reduce"]
@@ -48,6 +51,8 @@ class Collective:
     the whole buffer, I for one intra block (1/m of it)."""
     dtype: torch.dtype | None = None
     """The dtype it travels (and, for a reduction, sums) in; None: the buffer's own."""
+    quant: str | None = None
+    """A rail collective sent block-quantized ("int8", ``comm.quantize``) instead of in ``dtype``; None: not."""
 
     def full_fraction(self, group_size: int) -> float:
         """The full side's share of the whole buffer."""
@@ -67,6 +72,9 @@ class CommDtypes:
     """Parameter all-gathers (before a unit's use, and OS -> P after the update); None: the parameters' dtype."""
     grads: torch.dtype | None = None
     """Gradient reductions (after a unit's backward, and G -> OS at the boundary); None: the gradients' dtype."""
+    inter_quant: str | None = None
+    """"int8": the rail collectives (the hop between groups of the once-per-step gradient and parameter syncs) go
+    block-quantized, one quantization per contribution; None: in the dtypes above."""
 
 
 EXACT = CommDtypes()
@@ -75,15 +83,29 @@ EXACT = CommDtypes()
 
 def wire_bytes(c: Collective, nbytes: float, element_bytes: int) -> float:
     """Bytes of ``c``'s full side on the wire, for a buffer whose full side holds ``nbytes`` in its own elements of
-    ``element_bytes`` each."""
+    ``element_bytes`` each (its dtype; a quantized collective: :func:`phase_wire_bytes`)."""
     if c.dtype is None:
         return nbytes
     return nbytes * dtype_bytes(c.dtype) / element_bytes
 
 
+def phase_wire_bytes(c: Collective, p: LinkPhase, nbytes: float, element_bytes: int, ranks: int) -> float:
+    """Bytes of phase ``p``'s full side on the wire, over ``ranks`` ranks: ``ranks`` quantized payloads of one slice
+    each for a quantized rail collective, the share of :func:`wire_bytes` otherwise (so that a ring phase sends
+    (k - 1)/k of it, twice for an all-reduce)."""
+    if c.quant is not None and p.link == "inter":
+        return ranks * payload_bytes(round(p.fraction * nbytes / element_bytes / ranks))
+    return p.fraction * wire_bytes(c, nbytes, element_bytes)
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
+
+
+def rounds(c: Collective, buffer_dtype: torch.dtype) -> bool:
+    """Whether a buffer of ``buffer_dtype`` may arrive changed through ``c`` (quantized, or in fewer bits)."""
+    return c.quant is not None or lossy(c.wire_dtype(buffer_dtype), buffer_dtype)
 
 
 def lossy(wire: torch.dtype, buffer_dtype: torch.dtype) -> bool:
@@ -126,13 +148,14 @@ def grads_to_optim(grads: Level, optim: Level, comm: CommDtypes = EXACT) -> Tran
         if optim == Level.N:
             return (Collective("all_reduce", "global", Level.N, d),)
         if optim == Level.I:
-            return (Collective("reduce_scatter", "intra", Level.N, d), Collective("all_reduce", "inter", Level.I, d))
+            return (Collective("reduce_scatter", "intra", Level.N, d),
+                    Collective("all_reduce", "inter", Level.I, d, comm.inter_quant))
         return (Collective("reduce_scatter", "global", Level.N, d),)
     if grads == Level.I:
         # the group has reduced its own contributions: the rail adds the other groups'
         if optim == Level.I:
-            return (Collective("all_reduce", "inter", Level.I, d),)
-        return (Collective("reduce_scatter", "inter", Level.I, d),)
+            return (Collective("all_reduce", "inter", Level.I, d, comm.inter_quant),)
+        return (Collective("reduce_scatter", "inter", Level.I, d, comm.inter_quant),)
     return ()  # G = G: the reduce-scatter of every micro-step summed over all ranks already
 
 
@@ -143,7 +166,7 @@ def optim_to_params(optim: Level, params: Level, comm: CommDtypes = EXACT) -> Tr
     if params == Level.N:
         return (Collective("all_gather", SCOPE_OF[optim], Level.N, comm.params),)
     # G -> I: the sub-blocks of this rank's block, over its rail
-    return (Collective("all_gather", "inter", Level.I, comm.params),)
+    return (Collective("all_gather", "inter", Level.I, comm.params, comm.inter_quant),)
 
 
 def step_transitions(spec: ShardingSpec, comm: CommDtypes = EXACT) -> dict[str, Transition]:

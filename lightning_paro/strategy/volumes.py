@@ -4,7 +4,8 @@ Figures are per rank and in bytes, summed over the collectives of the strategy's
 (``transitions.py``), as this engine issues them (hierarchical global collectives split into their intra and inter
 phases; ring algorithms: an all-gather or reduce-scatter over k ranks sends (k-1)/k of the full tensor, an all-reduce
 twice that). Pass padded element counts to match the engine exactly. A collective that travels in another dtype than
-the buffer's (``CommDtypes``: ``param_dtype``, ``reduce_dtype``) counts the bytes of that dtype.
+the buffer's (``CommDtypes``: ``param_dtype``, ``reduce_dtype``) counts the bytes of that dtype; a quantized rail
+collective (``inter_quant``) its payloads.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_paro.strategy.levels import ShardingSpec
-from lightning_paro.strategy.transitions import EXACT, CommDtypes, Transition, link_phases, step_transitions, wire_bytes
+from lightning_paro.strategy.transitions import (
+    EXACT,
+    CommDtypes,
+    Transition,
+    link_phases,
+    phase_wire_bytes,
+    step_transitions,
+    wire_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,8 @@ def transition_traffic(transition: Transition, nbytes: float, m: int, g: int, el
     out = Traffic(0, 0)
     for c in transition:
         for p in link_phases(c, m, g):
-            sent = _ring(p.op, m if p.link == "intra" else g, p.fraction * wire_bytes(c, nbytes, element_bytes))
+            k = m if p.link == "intra" else g
+            sent = _ring(p.op, k, phase_wire_bytes(c, p, nbytes, element_bytes, k))
             out = _add(out, Traffic(sent, 0) if p.link == "intra" else Traffic(0, sent))
     return out
 

@@ -54,9 +54,10 @@ def test_every_paro_knob_is_overridable():
     cfg = load_config(["strategy=paro", "strategy.sharding=nig", "strategy.group_size=2", "strategy.prefetch=0",
                        "strategy.log_traffic=false", "strategy.units=[lightning_paro.demo.model.Block]",
                        "strategy.start_method=spawn", "strategy.process_group_backend=gloo", "strategy.timeout_s=60",
-                       "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32", *FOUR_CPUS])
+                       "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32", "strategy.inter_quant=int8",
+                       *FOUR_CPUS])
     s = build_strategy(cfg)
-    assert s.options.comm_dtypes == CommDtypes(torch.bfloat16, torch.float32)
+    assert s.options.comm_dtypes == CommDtypes(torch.bfloat16, torch.float32, "int8")
     assert s.sharding.name == "NIG" and s._group_size == 2 and s._prefetch == 0 and s._log_traffic is False
     assert s._units == [Block] and s._start_method == "spawn" and s.process_group_backend == "gloo"
     assert s._timeout == timedelta(seconds=60)
@@ -217,6 +218,7 @@ BAD = [
     (["strategy.inter_gbps=10"], "strategy.intra_gbps", "both"),
     (["strategy.inter_overlap=2"], "strategy.inter_overlap", "[0, 1]"),
     (["strategy.param_dtype=fp16"], "strategy.param_dtype", "'bf16', 'fp32'"),
+    (["strategy.inter_quant=int4"], "strategy.inter_quant", "'int8'"),
     (["predict.format=csv"], "predict.format", "parquet"),
     (["predict.fetch_threads=0"], "predict.fetch_threads", "positive"),
     (["predict.shard_sise=3"], "predict.shard_sise", "shard_size"),

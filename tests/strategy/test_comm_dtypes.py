@@ -1,13 +1,15 @@
-"""Communication dtypes on the demo GPT: ``param_dtype="bf16"``, ``reduce_dtype="bf16"`` against the fp32 run.
+"""Communication dtypes on the demo GPT: ``param_dtype="bf16"``, ``reduce_dtype="bf16"`` and
+``inter_quant="int8"``, each against the fp32 run.
 
 One launch of 4 processes (2 groups of 2) trains the demo GPT (tiny shape: 2 blocks of width 32, 32-byte windows,
-about 42k parameters) for 300 optimizer steps under IIG, the demo's strategy, twice: with exact communication and
-with both dtypes bf16, from the same initial weights on the same batches.
+about 42k parameters) for 200 optimizer steps under IIG, the demo's strategy, three times: with exact communication,
+with both dtypes bf16, and with the syncs between groups int8-quantized, from the same initial weights on the same
+batches.
 
 The tolerance on the final loss is the resolution of the measure itself, fixed before any run: the final loss is the
 mean training loss of the last 50 steps, whose per-step losses scatter with standard deviation s (different batches),
-so it is known to within a standard error of s / sqrt(50); the bf16 run must land within two of those of the fp32
-run. docs/config.md states the rule and the measured figures.
+so it is known to within a standard error of s / sqrt(50); each option's run must land within two of those of the
+fp32 run. docs/config.md states the rule and the measured figures.
 """
 
 import json
@@ -22,8 +24,8 @@ from lightning_paro.strategy.levels import ShardingSpec
 from lightning_paro.strategy.transitions import CommDtypes
 from lightning_paro.strategy.volumes import step_traffic
 
-WORLD, M, STEPS, LAST = 4, 2, 300, 50
-EXACT_RUN, BF16_RUN = "IIG~-+-", "IIG~bf16+bf16"
+WORLD, M, STEPS, LAST = 4, 2, 200, 50
+EXACT_RUN, BF16_RUN, INT8_RUN = "IIG~-+-", "IIG~bf16+bf16", "IIG~-+-+int8"
 # 8 steps with a validation and a sharded checkpoint after step 4: P = N and P = I, each with a separate master
 CHECKED = ["NNG~bf16+bf16:8:check", "IIG~bf16+bf16:8:check"]
 
@@ -31,7 +33,7 @@ CHECKED = ["NNG~bf16+bf16:8:check", "IIG~bf16+bf16:8:check"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm_dtypes")
-    launch("comm_dtypes.py", WORLD, str(out), str(STEPS), EXACT_RUN, BF16_RUN, *CHECKED, timeout=240)
+    launch("comm_dtypes.py", WORLD, str(out), str(STEPS), EXACT_RUN, BF16_RUN, INT8_RUN, *CHECKED, timeout=240)
 
     def load(run):
         return ([json.loads((out / f"{run}.{r}.json").read_text()) for r in range(WORLD)],
@@ -49,15 +51,27 @@ def _bytes(step: dict) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_final_loss_within_the_resolution_of_the_fp32_run(runs):
+@pytest.mark.parametrize("run", [BF16_RUN, INT8_RUN])
+def test_final_loss_within_the_resolution_of_the_fp32_run(runs, run):
     exact = runs(EXACT_RUN)[0][0]["losses"]
-    bf16 = runs(BF16_RUN)[0][0]["losses"]
-    assert len(exact) == len(bf16) == STEPS
-    final_exact, final_bf16 = statistics.mean(exact[-LAST:]), statistics.mean(bf16[-LAST:])
+    got = runs(run)[0][0]["losses"]
+    assert len(exact) == len(got) == STEPS
+    final_exact, final = statistics.mean(exact[-LAST:]), statistics.mean(got[-LAST:])
     tolerance = 2 * statistics.stdev(exact[-LAST:]) / math.sqrt(LAST)
-    assert abs(final_bf16 - final_exact) <= tolerance, (final_bf16, final_exact, tolerance)
+    assert abs(final - final_exact) <= tolerance, (final, final_exact, tolerance)
     assert final_exact < 0.5 * exact[0]  # it trained
-    assert bf16 != exact  # the rounding is real
+    assert got != exact  # the rounding is real
+
+
+@pytest.mark.timeout(300)
+def test_int8_between_groups_sends_a_quarter_there_and_the_same_inside(runs):
+    (exact, _), (int8, weights) = runs(EXACT_RUN), runs(INT8_RUN)
+    for r in range(WORLD):
+        for a, b in zip(int8[r]["traffic"], exact[r]["traffic"]):
+            assert _bytes(a)["intra"] == _bytes(b)["intra"]
+            assert 0.25 * _bytes(b)["inter"] < _bytes(a)["inter"] < 0.26 * _bytes(b)["inter"]
+        for k, v in weights[r].items():
+            assert torch.equal(v, weights[0][k]), (r, k)
 
 
 @pytest.mark.timeout(300)
@@ -112,6 +126,10 @@ def test_the_options_name_the_dtypes_and_refuse_others():
             assert info.value.option == option
     with pytest.raises(ValueError, match="reduce_dtype"):
         PaROStrategy(reduce_dtype="int8")
+    assert PaROOptions(inter_quant="int8").comm_dtypes == CommDtypes(inter_quant="int8")
+    with pytest.raises(OptionError, match="inter_quant must be 'int8'") as info:
+        PaROOptions(inter_quant="int4")
+    assert info.value.option == "inter_quant"
     assert PaROStrategy(sharding="IIG", param_dtype="bf16").options.comm_dtypes.params == torch.bfloat16
 
 
@@ -141,3 +159,13 @@ def test_the_cost_model_counts_the_bytes_and_the_master_copy():
     half_bf16 = dataclasses.replace(half, comm=bf16.comm)
     assert memory(ShardingSpec.parse("IIG"), half_bf16, cluster) == memory(ShardingSpec.parse("IIG"), half, cluster)
     assert predict("IIG", half_bf16, cluster, compute).traffic == predict("IIG", half, cluster, compute).traffic
+    # int8 between groups: IIG's syncs over the rail shrink to about a quarter, the traffic inside groups stays; the
+    # quantized parameter sync needs the separate master too
+    int8 = dataclasses.replace(fp32, comm=CommDtypes(inter_quant="int8"))
+    a, q = predict("IIG", fp32, cluster, compute), predict("IIG", int8, cluster, compute)
+    assert q.traffic.intra == a.traffic.intra
+    assert q.traffic.inter == pytest.approx(a.traffic.inter * (1 + 4 / 256) / 4)
+    assert q.step_seconds < a.step_seconds
+    assert q.memory.optim == pytest.approx(a.memory.optim + 4 * psi_os)
+    gg = predict("GGG", int8, cluster, compute)  # HO-Ring's global collectives are not quantized
+    assert gg.traffic == predict("GGG", fp32, cluster, compute).traffic

@@ -8,10 +8,13 @@ formulas in test_parity.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
+from lightning_paro.comm import quantize
 from lightning_paro.comm.topology import Topology
 from lightning_paro.planner.inputs import Cluster, Link
 from lightning_paro.planner.phases import grad_sync_phases, gather_phases, param_sync_phases, reduce_scatter_phases
@@ -26,26 +29,28 @@ NUMEL = 64  # a multiple of n: no padding, so bytes compare exactly
 
 BF16 = torch.bfloat16
 COMMS = {"exact": transitions.EXACT, "bf16": transitions.CommDtypes(BF16, BF16),
-         "bf16 params": transitions.CommDtypes(params=BF16), "bf16 grads": transitions.CommDtypes(grads=BF16)}
+         "bf16 params": transitions.CommDtypes(params=BF16), "bf16 grads": transitions.CommDtypes(grads=BF16),
+         "int8 between groups": transitions.CommDtypes(inter_quant="int8"),
+         "bf16, int8 between groups": transitions.CommDtypes(BF16, BF16, "int8")}
 
 
 class RecordingComm:
-    """The calls a FlatGroup makes, as (op, scope, full-side numel, dtype on the wire); no data moves."""
+    """The calls a FlatGroup makes, as (op, scope, full-side numel, dtype, quantization); no data moves."""
 
     def __init__(self) -> None:
         self.topology = Topology(world_size=M * G, group_size=M, rank=0)
         self.calls: list[tuple[str, str, int, torch.dtype]] = []
 
-    def all_gather(self, out, shard, scope, async_op=False):
+    def all_gather(self, out, shard, scope, async_op=False, quant=None):
         assert shard.dtype == out.dtype
-        self.calls.append(("all_gather", scope, out.numel(), out.dtype))
+        self.calls.append(("all_gather", scope, out.numel(), out.dtype, quant))
 
-    def reduce_scatter(self, out, full, scope, async_op=False):
+    def reduce_scatter(self, out, full, scope, async_op=False, quant=None):
         assert out.dtype == full.dtype
-        self.calls.append(("reduce_scatter", scope, full.numel(), full.dtype))
+        self.calls.append(("reduce_scatter", scope, full.numel(), full.dtype, quant))
 
-    def all_reduce(self, tensor, scope, async_op=False):
-        self.calls.append(("all_reduce", scope, tensor.numel(), tensor.dtype))
+    def all_reduce(self, tensor, scope, async_op=False, quant=None):
+        self.calls.append(("all_reduce", scope, tensor.numel(), tensor.dtype, quant))
 
     def submit(self, fn, *args, **kwargs):
         fn()
@@ -72,14 +77,23 @@ def _engine_calls(spec: ShardingSpec, comm_dtypes=transitions.EXACT) -> dict[str
 
 
 def _table_calls(t: transitions.Transition) -> list[tuple]:
-    return [(c.op, c.scope, int(NUMEL * c.full_fraction(M)), c.wire_dtype(torch.float32)) for c in t]
+    return [(c.op, c.scope, int(NUMEL * c.full_fraction(M)), c.wire_dtype(torch.float32), c.quant) for c in t]
+
+
+def _wire_full(c: transitions.Collective, p: transitions.LinkPhase, k: int) -> float:
+    """Bytes of a phase's full side on the wire, for NUMEL fp32 elements."""
+    if c.quant and p.link == "inter":  # k payloads of one slice each: an int8 per element, a scale per block
+        numel = p.fraction * NUMEL / k
+        return k * (numel + 4 * math.ceil(numel / quantize.BLOCK))
+    return p.fraction * NUMEL * (2 if c.dtype == BF16 else 4)
 
 
 @pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("name", VALID_STRATEGIES)
 def test_the_engine_the_formulas_and_the_cost_model_read_one_table(name, comm):
-    """Also with parameters and gradients travelling in bf16: the table says the dtype, the engine sends it, the
-    formulas count its bytes (half of fp32's)."""
+    """Also with parameters and gradients travelling in bf16, or the rail collectives int8-quantized: the table says
+    the dtype (and the quantization), the engine sends it, the formulas count its bytes (bf16: half of fp32's; int8:
+    one byte per element and an fp32 scale per block of each slice)."""
     spec = ShardingSpec.parse(name)
     comm_dtypes = COMMS[comm]
     table = transitions.step_transitions(spec, comm_dtypes)
@@ -98,8 +112,7 @@ def test_the_engine_the_formulas_and_the_cost_model_read_one_table(name, comm):
             for p in transitions.link_phases(c, M, G):
                 k = ring[p.link]
                 factor = 2 if p.op == "all_reduce" else 1
-                wire = 2 if c.dtype == BF16 else 4
-                sent[p.link] += count[key] * factor * (k - 1) / k * p.fraction * NUMEL * wire
+                sent[p.link] += count[key] * factor * (k - 1) / k * _wire_full(c, p, k)
     formula = step_traffic(spec, nbytes, nbytes, M, G, accumulation=1, comm=comm_dtypes, element_bytes=4)
     assert (formula.intra, formula.inter) == pytest.approx((sent["intra"], sent["inter"]))
     if comm == "bf16":
@@ -113,9 +126,10 @@ def test_the_engine_the_formulas_and_the_cost_model_read_one_table(name, comm):
                 "grads_to_optim": grad_sync_phases(spec, nbytes, cluster, comm_dtypes, 4),
                 "optim_to_params": param_sync_phases(spec, nbytes, cluster, comm_dtypes, 4)}
     for key, t in table.items():
-        phases = [(p, 2 if c.dtype == BF16 else 4) for c in t for p in transitions.link_phases(c, M, G)]
+        ring = {"intra": M, "inter": G}
+        phases = [(c, p) for c in t for p in transitions.link_phases(c, M, G)]
         assert [(p.op, p.scope, p.nbytes) for p in modelled[key]] == [
-            (p.op, p.link, p.fraction * NUMEL * wire) for p, wire in phases], key
+            (p.op, p.link, _wire_full(c, p, ring[p.link])) for c, p in phases], key
 
 
 def test_every_level_change_has_one_entry():

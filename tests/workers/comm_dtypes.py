@@ -1,8 +1,8 @@
 """Train the demo GPT (tiny shape) under one PaRO strategy with several communication dtypes, in the same processes;
 save each run's per-step losses, its traffic per optimizer step and its weights after fit.
 
-argv: output directory, steps, then runs as ``NAME~PARAM+REDUCE[:STEPS:check]`` (``-``: the option left unset), e.g.
-``IIG~-+-`` (exact) and ``IIG~bf16+bf16``. ``:STEPS:check`` trains that many steps with a validation and a sharded
+argv: output directory, steps, then runs as ``NAME~PARAM+REDUCE[+QUANT][:STEPS:check]`` (``-``: the option left
+unset; QUANT is ``inter_quant``), e.g. ``IIG~-+-`` (exact), ``IIG~bf16+bf16`` and ``IIG~-+-+int8``. ``:STEPS:check`` trains that many steps with a validation and a sharded
 checkpoint in the middle, and records whether the checkpoint's weights are the optimizer's fp32 masters.
 """
 
@@ -64,13 +64,15 @@ for run in runs:
     run_spec, _, check = run.partition(":")
     name, _, dtypes = run_spec.partition("~")
     param, _, reduce = dtypes.partition("+")
+    reduce, _, quant = reduce.partition("+")
     run_steps, _, check = check.partition(":")
     run_steps = int(run_steps) if run_steps else steps
     L.seed_everything(0, verbose=False)
     model = GPTTask(seq_len=32, dim=32, heads=2, layers=2, lr=3e-3)
     data = StdlibData(seq_len=32, train_bytes=40_000, held_out_bytes=20_000, batch_size=4)
     strategy = PaROStrategy(sharding=name, group_size=2, param_dtype=None if param in ("", "-") else param,
-                            reduce_dtype=None if reduce in ("", "-") else reduce)
+                            reduce_dtype=None if reduce in ("", "-") else reduce,
+                            inter_quant=None if quant in ("", "-") else quant)
     record = Record()
     callbacks = [record]
     if check:
