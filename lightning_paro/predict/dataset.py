@@ -52,35 +52,51 @@ AUTO_FETCH_THREADS_MAX = 64
 """The most threads per DataLoader worker that ``fetch_threads=None`` (automatic) chooses."""
 
 
+def thread_busy_s() -> float:
+    """Seconds the calling thread has run or waited to run (its CPU time plus its wait for a CPU, from Linux's
+    ``/proc/thread-self/schedstat``; elsewhere only its CPU time). What is left of a read's wall time is time the
+    thread waited for something else: storage, the network, a lock."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            ran_ns, waited_ns = f.read().split()[:2]
+        return (int(ran_ns) + int(waited_ns)) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time()
+
+
 class FetchTuner:
-    """Chooses a DataLoader worker's fetch threads from how fast its batches read (``fetch_threads=None``).
+    """Chooses a DataLoader worker's fetch threads from how its batches read (``fetch_threads=None``).
 
     Reading a row from remote storage waits on latency, not CPU, so more rows in flight read a batch faster; rows
     that cost CPU (parsing, preprocessing) read no faster with more threads, which then only add switching.
 
-    * A read on one thread that kept it busy (CPU time over ``busy`` of the wall time) is bound by CPU: one thread
-      stays. One that left it idle tries as many threads as would keep it busy (the wall time over the CPU time,
-      rounded up to a power of two, at most ``max_threads`` and the batch's rows). The first row a worker reads is
-      read alone for this, so a latency-bound job is at full speed from its first batch on. A read shorter than
-      ``min_wall_s`` says nothing either way (and threads would not pay for themselves there): one thread stays.
-    * A try is kept when it reads batches at least ``gain`` times as fast (rows per second of a batch's read) as
-      the thread count it started from, and then twice as many threads are tried; a try that falls short gets a
-      second batch (one disturbed read does not end it), then is undone and not tried again for a pause that
-      doubles each time (``retry_after`` batches, at most ``max_pause``), so a job that becomes bound by latency
-      later is still found.
+    * More threads are tried only while the worker is the bottleneck: when it waited for its next batch's indices
+      for more than ``ahead`` of the time it took to read a batch, the model (or whatever consumes the batches) is
+      slower than the reading, and reading faster would gain nothing.
+    * A read on one thread that kept it busy (running, or waiting for a CPU: over ``busy`` of the read's wall time)
+      is bound by CPU: one thread stays. One that left it idle tries as many threads as would keep it busy (the
+      wall time over the busy time, rounded up to a power of two, at most ``max_threads`` and the batch's rows).
+      A worker's second row is read alone for this (after its first, which pays for imports and connections), so
+      a latency-bound job is at full speed from its first batch on. A read shorter than ``min_wall_s`` says nothing either way: one thread stays.
+    * A try is kept when its batches read at least ``gain`` times as fast (rows per second of the read) as the
+      thread count it started from: at once when the first is twice that, else when the first two both are; then
+      twice as many threads are tried. A try that falls short is undone and not tried again for a pause that
+      doubles each time (``retry_after`` batches, at most ``max_pause``), so a job whose reads become bound by
+      latency later is still found.
     """
 
     def __init__(self, max_threads: int = AUTO_FETCH_THREADS_MAX, gain: float = 1.25, busy: float = 0.8,
-                 retry_after: int = 8, max_pause: int = 256, min_wall_s: float = 0.002) -> None:
+                 ahead: float = 0.25, retry_after: int = 8, max_pause: int = 256, min_wall_s: float = 0.002) -> None:
         self.max_threads = max_threads
-        self.min_wall_s = min_wall_s
         self.gain = gain
         self.busy = busy
+        self.ahead = ahead
         self.retry_after = retry_after
         self.max_pause = max_pause
+        self.min_wall_s = min_wall_s
         self.threads = 1
         self.measured = False
-        """Whether a read was recorded yet (the first row of a worker is read alone while it is not)."""
+        """Whether a read was recorded yet (a worker's first two rows are read alone while it is not)."""
         self._base: Optional[tuple[int, float]] = None  # (threads, rows/s) a try started from
         self._tries: list[float] = []  # the rates of the batches read in the current try
         self._pause = 0
@@ -90,10 +106,11 @@ class FetchTuner:
         """Threads to read the next batch of ``rows`` rows with."""
         return max(1, min(self.threads, rows))
 
-    def record(self, threads: int, rows: int, wall_s: float, cpu_s: Optional[float] = None,
-               batch_rows: Optional[int] = None) -> None:
-        """The read of ``rows`` rows on ``threads`` threads in ``wall_s`` seconds (and, on one thread, the CPU
-        seconds it took); decides the threads of the next read. ``batch_rows`` bounds a try (default ``rows``)."""
+    def record(self, threads: int, rows: int, wall_s: float, busy_s: Optional[float] = None,
+               batch_rows: Optional[int] = None, waited_s: Optional[float] = None) -> None:
+        """The read of ``rows`` rows on ``threads`` threads in ``wall_s`` seconds; on one thread, ``busy_s`` is the
+        time it ran or waited to run (``thread_busy_s``); ``waited_s`` is how long the worker waited for this batch
+        after the previous one; ``batch_rows`` bounds a try (default ``rows``). Decides the threads of the next read."""
         self.measured = True
         limit = min(self.max_threads, batch_rows or rows)
         if (wall_s <= 0 or threads != self.choose(rows) or (rows <= 1 and self._base is not None)
@@ -103,11 +120,11 @@ class FetchTuner:
         if self._base is not None:
             self._tries.append(rate)
             base_threads, base_rate = self._base
-            best = max(self._tries)
-            if best >= self.gain * base_rate:
+            if min(self._tries) >= self.gain * base_rate and (len(self._tries) >= 2 or rate >= 2 * self.gain * base_rate):
                 self._base, self._tries = None, []
                 self._next_pause = self.retry_after  # paid: keep it and try twice as many at once
-                self._try(self.threads, best, 2 * self.threads, limit)
+                if waited_s is None or waited_s <= self.ahead * wall_s:
+                    self._try(self.threads, rate, 2 * self.threads, limit)
             elif len(self._tries) >= 2:
                 self.threads = base_threads
                 self._base, self._tries = None, []
@@ -116,12 +133,12 @@ class FetchTuner:
         if self._pause > 0:
             self._pause -= 1
             return
-        if wall_s < self.min_wall_s:
-            return  # too quick to tell
-        if threads == 1 and cpu_s is not None:
-            if cpu_s > self.busy * wall_s:
+        if wall_s < self.min_wall_s or (waited_s is not None and waited_s > self.ahead * wall_s):
+            return  # too quick to tell, or the batches are consumed slower than they are read
+        if threads == 1 and busy_s is not None:
+            if busy_s > self.busy * wall_s:
                 return  # bound by CPU
-            wanted = 2 ** math.ceil(math.log2(max(wall_s / max(cpu_s, 1e-9), 2.0)))
+            wanted = 2 ** math.ceil(math.log2(max(wall_s / max(busy_s, 1e-9), 2.0)))
             self._try(1, rate, wanted, limit)
         else:
             self._try(self.threads, rate, 2 * self.threads, limit)
@@ -143,10 +160,11 @@ class FetchPool:
     _pool_pid: int
     _pool_threads = 0
     _tuner: Optional[FetchTuner] = None
+    _last_read_end: Optional[float] = None
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_pool"], state["_pool_pid"], state["_tuner"] = None, -1, None
+        state["_pool"], state["_pool_pid"], state["_tuner"], state["_last_read_end"] = None, -1, None, None
         return state
 
     def _tuner_here(self) -> Optional[FetchTuner]:
@@ -156,7 +174,7 @@ class FetchPool:
         if self._tuner is None or self._pool_pid != os.getpid():
             self._tuner = FetchTuner()
             self._pool_pid = os.getpid()
-            self._pool = None
+            self._pool, self._last_read_end = None, None
         return self._tuner
 
     def _map(self, fn: Callable, items: Sequence) -> tuple[list, int]:
@@ -165,25 +183,32 @@ class FetchPool:
         if tuner is None:
             return self._timed(fn, items, self.fetch_threads, None, len(items)), self.fetch_threads
         results: list = []
-        if not tuner.measured and len(items) > 2:
-            # a worker's first row is read alone: whether it waited or computed sets the threads of the rest
-            results = self._timed(fn, items[:1], 1, tuner, len(items))
-            items = items[1:]
+        if not tuner.measured and len(items) > 3:
+            # a worker's first two rows are read alone: the first pays for what is done once (imports, connections),
+            # and whether the second waited or computed sets the threads of the rest
+            results = self._timed(fn, items[:1], 1, None, len(items))
+            results.extend(self._timed(fn, items[1:2], 1, tuner, len(items)))
+            items = items[2:]
         threads = tuner.choose(len(items))
         results.extend(self._timed(fn, items, threads, tuner, len(items) + len(results)))
         return results, threads
 
     def _timed(self, fn: Callable, items: Sequence, threads: int, tuner: Optional[FetchTuner],
                batch_rows: int) -> list:
-        start, cpu = time.perf_counter(), time.thread_time()
+        start = time.perf_counter()
         if threads > 1 and len(items) > 1:
             results = list(self._executor(threads).map(fn, items))
-            cpu_s = None
+            busy_s = None
         else:
+            busy = thread_busy_s() if tuner is not None else 0.0
             results = [fn(item) for item in items]
-            cpu_s = time.thread_time() - cpu
+            busy_s = thread_busy_s() - busy if tuner is not None else None
+        end = time.perf_counter()
         if tuner is not None:
-            tuner.record(threads, len(items), time.perf_counter() - start, cpu_s, batch_rows)
+            # the wait for this read since the previous one ended
+            waited = start - self._last_read_end if self._last_read_end is not None else None
+            tuner.record(threads, len(items), end - start, busy_s, batch_rows, waited)
+            self._last_read_end = end
         return results
 
     def _executor(self, threads: int) -> ThreadPoolExecutor:
