@@ -64,6 +64,57 @@ def _lightning_module(multi: bool, elastic: bool):
     return Predictor()
 
 
+class _BatchClock:
+    """When each batch's predictions were done (handed to the writer), to tell the steady rate from the start-up."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, int]] = []
+
+    def stamp(self, rows: int) -> None:
+        if rows:
+            self.stamps.append((time.perf_counter(), rows))
+
+    def steady(self) -> dict:
+        """Rows per second from the first batch's end to the last's, and the seconds before the first batch."""
+        if len(self.stamps) < 2:
+            return {}
+        rows = sum(n for _, n in self.stamps[1:])
+        return {"steady_rows_per_s": rows / (self.stamps[-1][0] - self.stamps[0][0]), "first_batch_at": self.stamps[0][0]}
+
+
+def _stamping_callback(clock: _BatchClock):
+    from lightning.pytorch.callbacks import Callback
+
+    class Stamp(Callback):
+        def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            if isinstance(outputs, tuple):  # the baseline's (ids, embedding, scores)
+                clock.stamp(len(outputs[0]))
+
+    return Stamp()
+
+
+def _stamp_worker_batches(clock: _BatchClock) -> None:
+    """Stamps every batch ElasticPredict and run_pipeline hand to their writer (the same point for both)."""
+    from lightning_paro.predict import run as worker_run
+
+    handed = worker_run.WorkerRun.on_batch_end
+
+    def on_batch_end(self, outputs):
+        handed(self, outputs)
+        clock.stamp(len(getattr(outputs, "indices", ())))
+
+    worker_run.WorkerRun.on_batch_end = on_batch_end
+
+
+def _timing(elapsed: float, start: float, clock: _BatchClock) -> dict:
+    out = {"seconds": elapsed}
+    steady = clock.steady()
+    if steady:
+        out["steady_rows_per_s"] = steady["steady_rows_per_s"]
+        out["first_batch_s"] = steady["first_batch_at"] - start
+    return out
+
+
 def _trainer(callbacks):
     import lightning as L
 
@@ -87,25 +138,34 @@ def baseline(url, rows, out: Path, multi: bool) -> dict:
             pq.write_table(pa.table(columns), out / f"batch-{batch_idx:06d}.parquet")
 
     out.mkdir(parents=True, exist_ok=True)
-    trainer = _trainer([ParquetWriter()])
+    clock = _BatchClock()
+    trainer = _trainer([ParquetWriter(), _stamping_callback(clock)])
     start = time.perf_counter()
     trainer.predict(_lightning_module(multi, elastic=False), dataloaders=_loader(url, rows), return_predictions=False)
     elapsed = time.perf_counter() - start
     written = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("*.parquet"))
-    return {"seconds": elapsed, "rows": written}
+    return {**_timing(elapsed, start, clock), "rows": written}
 
 
-def elastic(url, rows, out: Path, multi: bool, fetch_threads: int) -> dict:
-    """The same Trainer.predict with ElasticPredict (and concurrent fetches)."""
+def elastic(url, rows, out: Path, multi: bool, fetch_threads=None) -> dict:
+    """The same Trainer.predict with ElasticPredict; ``fetch_threads`` None is the default (chosen as it reads)."""
     from lightning_paro.predict import ElasticPredict, read_predictions
 
+    clock = _BatchClock()
+    _stamp_worker_batches(clock)
     callback = ElasticPredict(str(out), shard_size=256, fetch_threads=fetch_threads)
     trainer = _trainer([callback])
     start = time.perf_counter()
     trainer.predict(_lightning_module(multi, elastic=True), dataloaders=_loader(url, rows))
     elapsed = time.perf_counter() - start
     table = read_predictions(out, columns=["row_id"])
-    return {"seconds": elapsed, "rows": table.num_rows, "unique_rows": len(set(table.column("row_id").to_pylist()))}
+    return {**_timing(elapsed, start, clock), "rows": table.num_rows, "unique_rows": len(set(table.column("row_id").to_pylist())),
+            "fetch_threads_used": _threads_used(callback.run.fetch_threads_used)}
+
+
+def _threads_used(counts: dict) -> dict:
+    """Batches read with each number of fetch threads per DataLoader worker, as a JSON object."""
+    return {str(k): v for k, v in sorted(counts.items())}
 
 
 class _EncodeStage(torch.nn.Module):
@@ -134,22 +194,25 @@ def build_score_stage():
     return _ScoreStage().eval()
 
 
-def pipeline(url, rows, out: Path, fetch_threads: int, max_replicas: int) -> dict:
-    """Two models as pipeline stages in their own processes, replica counts from the profiling pass."""
+def pipeline(url, rows, out: Path, max_replicas: int, fetch_threads=None) -> dict:
+    """Two models as pipeline stages in their own processes (with ``max_replicas`` 2, one process each)."""
     from lightning_paro.predict import PipelineStage, read_predictions, run_pipeline
 
+    clock = _BatchClock()
+    _stamp_worker_batches(clock)
     stages = [PipelineStage("encode", build_encode_stage), PipelineStage("score", build_score_stage)]
     start = time.perf_counter()
     report = run_pipeline(stages, _loader(url, rows), str(out), max_replicas=max_replicas, shard_size=256,
                           fetch_threads=fetch_threads)
     elapsed = time.perf_counter() - start
     table = read_predictions(out, columns=["row_id"])
-    return {"seconds": elapsed, "rows": table.num_rows, "unique_rows": len(set(table.column("row_id").to_pylist())),
-            "replicas": report.replicas}
+    return {**_timing(elapsed, start, clock), "rows": table.num_rows, "unique_rows": len(set(table.column("row_id").to_pylist())),
+            "replicas": report.replicas, "fetch_threads_used": _threads_used(report.fetch_threads)}
 
 
 def model_limit(multi: bool, measure_rows: int = 640) -> dict:
-    """Each model alone on pre-built token batches, one thread: the compute stage's standalone throughput."""
+    """Each model alone on a token batch held in memory (the benchmark's batch size, one thread, after one warm-up
+    call): the model stage's own throughput."""
     tokens = torch.randint(0, 4096, (BATCH, 64))
     encoder = build_encoder()
     result = {}

@@ -1,11 +1,15 @@
 """Batch-prediction benchmark: plain Trainer.predict + BasePredictionWriter vs ElasticPredict / run_pipeline.
 
-    python bench/predict/run_bench.py [--rows 1500] [--latency-ms 30] [--ray-python PY]
+    python bench/predict/run_bench.py [--passes 3] [--rows 1500] [--compute-rows 6000] [--latency-ms 30]
+                                      [--ray-python PY]
 
-Starts a local HTTP object store (127.0.0.1, fixed latency per request) for the latency-bound
-read path, runs every configuration in a fresh process, and writes
-``bench/results/predict/results.json`` and ``results.md``. Run it inside a private network
-namespace (``unshare --net``, see run.sh) so that Ray's listeners stay off the network.
+Starts a local HTTP object store (127.0.0.1, fixed latency per request) for the latency-bound read path and runs
+every configuration in a fresh process, ``--passes`` times, in an order that rotates from pass to pass so that the
+machine's busy spells hit every configuration alike. ElasticPredict and run_pipeline run with their default
+``fetch_threads`` (chosen as they read) unless a row says otherwise. The compute-bound pass also measures the model
+stage alone (inputs in memory, same batch, one thread). Reported: the median of the passes for each rate, and the
+median of the per-pass ratios. Writes ``bench/results/predict/results.json`` and ``results.md``. Run it inside a
+private network namespace (``unshare --net``, see run.sh) so that Ray's listeners stay off the network.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,22 +31,50 @@ RESULTS = HERE.parent / "results" / "predict"
 sys.path.insert(0, str(HERE))
 
 from object_store import ObjectStore  # noqa: E402
+from report import render  # noqa: E402
+
+# (key, configuration, keyword arguments): every ElasticPredict and run_pipeline setting not named is its default
+LATENCY = [
+    ("baseline_single", "baseline", {"multi": False}),
+    ("elastic_single", "elastic", {"multi": False}),
+    ("elastic_single_fetch_threads_1", "elastic", {"multi": False, "fetch_threads": 1}),
+    ("elastic_single_fetch_threads_16", "elastic", {"multi": False, "fetch_threads": 16}),
+    ("baseline_multi", "baseline", {"multi": True}),
+    ("elastic_multi_in_one_step", "elastic", {"multi": True}),
+    ("pipeline_multi", "pipeline", {"max_replicas": 2}),
+]
+COMPUTE = [
+    ("model_limit", "model_limit", {"multi": True, "measure_rows": 1280}),
+    ("baseline_single", "baseline", {"multi": False}),
+    ("elastic_single", "elastic", {"multi": False}),
+    ("elastic_single_fetch_threads_16", "elastic", {"multi": False, "fetch_threads": 16}),
+    ("baseline_multi", "baseline", {"multi": True}),
+    ("pipeline_multi", "pipeline", {"max_replicas": 2}),
+]
+# the ratios of the acceptance criteria: (name, numerator, denominator), keys as "workload.configuration.measure"
+RATIOS = [
+    ("compute-bound, 1 model: ElasticPredict / Trainer.predict + writer",
+     "compute.elastic_single.rows_per_s", "compute.baseline_single.rows_per_s"),
+    ("compute-bound, 1 model: ElasticPredict / the model stage alone (whole run)",
+     "compute.elastic_single.rows_per_s", "compute.model_limit.encoder_rows_per_s"),
+    ("compute-bound, 1 model: ElasticPredict / the model stage alone (after the first batch)",
+     "compute.elastic_single.steady_rows_per_s", "compute.model_limit.encoder_rows_per_s"),
+    ("compute-bound, 1 model: Trainer.predict + writer / the model stage alone (whole run)",
+     "compute.baseline_single.rows_per_s", "compute.model_limit.encoder_rows_per_s"),
+    ("compute-bound, 2 models: run_pipeline / the slowest stage alone (whole run)",
+     "compute.pipeline_multi.rows_per_s", "compute.model_limit.rows_per_s"),
+    ("compute-bound, 2 models: run_pipeline / the slowest stage alone (after the first batch)",
+     "compute.pipeline_multi.steady_rows_per_s", "compute.model_limit.rows_per_s"),
+    ("compute-bound, 2 models: run_pipeline / Trainer.predict with both models",
+     "compute.pipeline_multi.rows_per_s", "compute.baseline_multi.rows_per_s"),
+    ("latency-bound, 1 model: ElasticPredict (defaults) / Trainer.predict + writer",
+     "latency.elastic_single.rows_per_s", "latency.baseline_single.rows_per_s"),
+    ("latency-bound, 2 models: run_pipeline (defaults) / Trainer.predict with both models",
+     "latency.pipeline_multi.rows_per_s", "latency.baseline_multi.rows_per_s"),
+]
 
 
-REPEATS = 1
-
-
-def run_one(name: str, url, rows: int, workdir: Path, **kwargs) -> dict:
-    """The best of REPEATS runs of one configuration (the machine may be shared: the fastest run is the
-    least disturbed one); every run's rate is kept under ``all_rows_per_s``."""
-    runs = [_run_once(name, url, rows, workdir, **kwargs) for _ in range(REPEATS)]
-    key = "rows_per_s" if "rows_per_s" in runs[0] else next(k for k in runs[0] if k.endswith("rows_per_s"))
-    best = max(runs, key=lambda r: r[key])
-    best["all_" + key] = [round(r[key], 1) for r in runs]
-    return best
-
-
-def _run_once(name: str, url, rows: int, workdir: Path, **kwargs) -> dict:
+def run_once(name: str, url, rows: int, workdir: Path, **kwargs) -> dict:
     """Runs one configuration in a fresh interpreter (own memory, no state shared with other runs)."""
     out = workdir / f"{name}-{len(list(workdir.iterdir()))}"
     code = (
@@ -55,12 +88,15 @@ def _run_once(name: str, url, rows: int, workdir: Path, **kwargs) -> dict:
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(line[len("RESULT "):])
-    print(f"  {name} {kwargs}: {json.dumps({k: v for k, v in result.items() if k != 'pid'})}", flush=True)
+    result.pop("pid", None)
+    result["load_avg_1min"] = round(os.getloadavg()[0], 2)
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"  {name} {kwargs}: {json.dumps(result)}", flush=True)
     return result
 
 
 def run_ray(python: str, url: str, rows: int, workdir: Path, multi: bool, kill_after=None) -> dict:
-    out = workdir / f"ray-{'multi' if multi else 'single'}-{'kill' if kill_after else 'clean'}"
+    out = workdir / f"ray-{'multi' if multi else 'single'}-{'kill' if kill_after else 'clean'}-{time.monotonic_ns()}"
     command = [python, str(HERE / "ray_bench.py"), "--url", url, "--rows", str(rows), "--out", str(out)]
     if multi:
         command.append("--multi")
@@ -71,60 +107,97 @@ def run_ray(python: str, url: str, rows: int, workdir: Path, multi: bool, kill_a
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     except subprocess.TimeoutExpired as exc:
         return {"error": f"Ray run did not finish within 300 s: {str(exc.stderr or '')[-1500:]}"}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         return {"error": (proc.stdout[-1000:] + proc.stderr[-3000:]).strip()}
     result = json.loads(line[len("RESULT "):])
+    result["load_avg_1min"] = round(os.getloadavg()[0], 2)
     print(f"  ray multi={multi} kill={kill_after}: {result}", flush=True)
     return result
 
 
+def rotated(items: list, shift: int) -> list:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def lookup(entry: dict, path: str):
+    workload, key, measure = path.split(".")
+    value = entry.get(workload, {}).get(key, {})
+    return value.get(measure) if isinstance(value, dict) else None
+
+
+def summarize(passes: list[dict]) -> dict:
+    """Medians over the passes: of every rate, and of the per-pass ratios of the acceptance criteria."""
+    rates: dict = {}
+    for entry in passes:
+        for workload in ("latency", "compute"):
+            for key, result in entry.get(workload, {}).items():
+                for measure, value in result.items():
+                    if measure.endswith("rows_per_s") and isinstance(value, (int, float)):
+                        rates.setdefault(f"{workload}.{key}.{measure}", []).append(value)
+    ratios = {}
+    for label, num, den in RATIOS:
+        values = [lookup(e, num) / lookup(e, den) for e in passes if lookup(e, num) and lookup(e, den)]
+        if values:
+            ratios[label] = {"median": statistics.median(values), "per_pass": values}
+    return {
+        "rates": {k: {"median": statistics.median(v), "runs": v} for k, v in rates.items()},
+        "ratios": ratios,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, default=1500)
-    parser.add_argument("--compute-rows", type=int, default=3000)
+    parser.add_argument("--passes", type=int, default=3, help="runs of every configuration (medians are reported)")
+    parser.add_argument("--rows", type=int, default=1500, help="rows of the latency-bound runs")
+    parser.add_argument("--compute-rows", type=int, default=6000, help="rows of the compute-bound runs")
     parser.add_argument("--latency-ms", type=float, default=30.0)
-    parser.add_argument("--fetch-threads", type=int, default=16)
     parser.add_argument("--ray-python", default=None, help="an interpreter with ray[data] installed")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration; the fastest is reported")
+    parser.add_argument("--skip-latency", action="store_true", help="only the compute-bound pass")
     args = parser.parse_args()
-    global REPEATS
-    REPEATS = args.repeats
     RESULTS.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "settings": vars(args) | {"batch_size": 32, "dataloader_workers": 2, "torch_threads": 1},
+        "settings": vars(args) | {"batch_size": 32, "dataloader_workers": 2, "torch_threads": 1, "shard_size": 256,
+                                  "ray_fetch_threads": 16},
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "passes": [],
     }
     workdir = Path(tempfile.mkdtemp(prefix="predict-bench-"))
     try:
         with ObjectStore(args.latency_ms) as store:
-            url, rows, ft = store.url, args.rows, args.fetch_threads
-            print(f"latency-bound read path ({args.latency_ms} ms per row), {rows} rows", flush=True)
-            lat = results["latency_bound"] = {}
-            lat["read_limit"] = run_one("read_limit", url, 600, workdir, concurrency=2 * ft)
-            lat["model_limit"] = run_one("model_limit", None, 0, workdir, multi=True, measure_rows=1280)
-            lat["baseline_single"] = run_one("baseline", url, rows, workdir, multi=False)
-            lat["elastic_single"] = run_one("elastic", url, rows, workdir, multi=False, fetch_threads=ft)
-            lat["elastic_single_no_fetch_threads"] = run_one("elastic", url, rows, workdir, multi=False, fetch_threads=1)
-            lat["baseline_multi"] = run_one("baseline", url, rows, workdir, multi=True)
-            lat["elastic_multi_in_one_step"] = run_one("elastic", url, rows, workdir, multi=True, fetch_threads=ft)
-            lat["pipeline_multi"] = run_one("pipeline", url, rows, workdir, fetch_threads=ft, max_replicas=2)
-            if args.ray_python:
-                lat["ray_single"] = run_ray(args.ray_python, url, rows, workdir, multi=False)
-                lat["ray_multi"] = run_ray(args.ray_python, url, rows, workdir, multi=True)
-                lat["ray_single_actor_killed"] = run_ray(args.ray_python, url, rows, workdir, multi=False, kill_after=4.0)
-        rows = args.compute_rows
-        print(f"compute-bound (records generated locally, no latency), {rows} rows", flush=True)
-        comp = results["compute_bound"] = {}
-        comp["baseline_single"] = run_one("baseline", None, rows, workdir, multi=False)
-        comp["elastic_single"] = run_one("elastic", None, rows, workdir, multi=False, fetch_threads=1)
-        comp["baseline_multi"] = run_one("baseline", None, rows, workdir, multi=True)
-        comp["pipeline_multi"] = run_one("pipeline", None, rows, workdir, fetch_threads=1, max_replicas=2)
+            for p in range(args.passes):
+                entry: dict = {"latency": {}, "compute": {}}
+                results["passes"].append(entry)
+                if not args.skip_latency:
+                    print(f"pass {p + 1}: latency-bound read path ({args.latency_ms} ms per row), {args.rows} rows",
+                          flush=True)
+                    lat = entry["latency"]
+                    lat["read_limit"] = run_once("read_limit", store.url, 600, workdir, concurrency=32)
+                    for key, name, kwargs in rotated(LATENCY, p):
+                        lat[key] = run_once(name, store.url, args.rows, workdir, **kwargs)
+                    if args.ray_python:
+                        lat["ray_single"] = run_ray(args.ray_python, store.url, args.rows, workdir, multi=False)
+                        lat["ray_multi"] = run_ray(args.ray_python, store.url, args.rows, workdir, multi=True)
+                print(f"pass {p + 1}: compute-bound (records generated locally), {args.compute_rows} rows", flush=True)
+                comp = entry["compute"]
+                for key, name, kwargs in rotated(COMPUTE, p):
+                    comp[key] = run_once(name, None, args.compute_rows, workdir, **kwargs)
+            if args.ray_python and not args.skip_latency:
+                results["ray_single_actor_killed"] = run_ray(args.ray_python, store.url, args.rows, workdir,
+                                                             multi=False, kill_after=4.0)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    results["summary"] = summarize(results["passes"])
     results["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"wrote {RESULTS / 'results.json'}")
+    text = render(results)
+    (RESULTS / "results.md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {RESULTS / 'results.json'} and results.md")
 
 
 if __name__ == "__main__":
