@@ -54,8 +54,10 @@ def check_config(cfg: Config) -> None:
     for key in ("lease_ttl_s", "stall_timeout_s", "poll_interval_s", "progress_interval_s"):
         if not getattr(p, key) > 0:
             raise ConfigError(f"predict.{key}", f"{getattr(p, key)} must be positive")
-    for key in ("max_attempts", "fetch_threads", "writer_queue_size"):
+    for key in ("max_attempts", "writer_queue_size"):
         _positive(f"predict.{key}", getattr(p, key))
+    if p.fetch_threads is not None:  # null: chosen as the workers read
+        _positive("predict.fetch_threads", p.fetch_threads)
     for key in ("max_failed_rows", "row_retries"):
         if getattr(p, key) < 0:
             raise ConfigError(f"predict.{key}", f"{getattr(p, key)} must be 0 or more")

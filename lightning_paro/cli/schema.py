@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Iterator, Optional
 
 from lightning_paro.planner import AutoConfig, Link
+from lightning_paro.predict.config import ElasticPredictConfig
 from lightning_paro.strategy.options import OptionError, PaROOptions
 
 
@@ -206,53 +207,41 @@ BACKENDS = (None, "gloo", "nccl")
 
 
 # ---------------------------------------------------------------------------------------------------- the rest
+ELASTIC = {f.name: f.default for f in dataclasses.fields(ElasticPredictConfig)}
+"""ElasticPredict's own defaults (:class:`~lightning_paro.predict.config.ElasticPredictConfig`), which the predict
+node's keys take."""
+
+
 @dataclass(frozen=True)
 class PredictConfig:
     """The predict command: ``lightning_paro.predict.ElasticPredict`` over the data's predict dataloader, with the
-    weights of a checkpoint. Every key but checkpoint and output_dir is an option of ElasticPredict
-    (``ElasticPredictConfig``, docs/predict.md)."""
+    weights of a checkpoint. Every key but checkpoint and output_dir is the option of the same name of
+    ElasticPredict (:class:`~lightning_paro.predict.config.ElasticPredictConfig`, docs/predict.md), which documents
+    it, gives its default and checks it."""
 
     checkpoint: Optional[str] = None
     """Checkpoint whose weights (its state_dict) are loaded into the model; null: weights.ckpt in run.dir, what fit
     writes. A file or a sharded checkpoint directory."""
     output_dir: Optional[str] = None
     """Where the predictions go; null: predictions/ in run.dir."""
-    format: str = "parquet"
-    """Output format: parquet or jsonl."""
-    shard_size: Optional[int] = None
-    """Rows per shard (the unit of leasing, retry and commit); null: 16 batches."""
-    index_column: str = "row_id"
-    """Column holding each row's dataset index (always written)."""
-    id_column: Optional[str] = None
-    """Key of a per-sample id in dict samples to copy into the output; null: none."""
-    ledger: Optional[str] = None
-    """Shard ledger: SQLite path or postgresql:// URL; null: _ledger.sqlite in output_dir."""
-    job_name: Optional[str] = None
-    """Name of the job in the ledger; null: the output directory's absolute path."""
-    lease_ttl_s: float = 60.0
-    """Seconds a worker's lease lives without a heartbeat."""
-    heartbeat_interval_s: Optional[float] = None
-    """Seconds between lease renewals; null: a quarter of lease_ttl_s."""
-    stall_timeout_s: float = 600.0
-    """Stop renewing leases when no batch finished for this long, so a hung worker loses its shards."""
-    max_attempts: int = 3
-    """Leases of one shard that may end without a commit before it is split."""
-    speculate_after_s: Optional[float] = 60.0
-    """An idle worker duplicates a shard leased longer ago than this (tail stragglers); null: never."""
-    poll_interval_s: float = 0.5
-    """Seconds an idle worker waits between asking the ledger for work."""
-    fetch_threads: int = 1
-    """Rows of a batch read concurrently per DataLoader worker (raise for latency-bound storage)."""
-    row_retries: int = 1
-    """Retries of a failing row or batch before it is bisected and reported."""
-    max_failed_rows: int = 0
-    """Rows that may fail (isolated as poison) before the job fails."""
-    writer_queue_size: int = 8
-    """Batches that may wait for the background writer before predict_step blocks."""
-    progress_interval_s: float = 10.0
-    """Seconds between reads of the job's global progress (shown on the progress bar)."""
-    worker_name: Optional[str] = None
-    """This worker's name in the ledger; null: host, process id and a random suffix."""
+    format: str = ELASTIC["format"]
+    shard_size: Optional[int] = ELASTIC["shard_size"]
+    index_column: str = ELASTIC["index_column"]
+    id_column: Optional[str] = ELASTIC["id_column"]
+    ledger: Optional[str] = ELASTIC["ledger"]
+    job_name: Optional[str] = ELASTIC["job_name"]
+    lease_ttl_s: float = ELASTIC["lease_ttl_s"]
+    heartbeat_interval_s: Optional[float] = ELASTIC["heartbeat_interval_s"]
+    stall_timeout_s: float = ELASTIC["stall_timeout_s"]
+    max_attempts: int = ELASTIC["max_attempts"]
+    speculate_after_s: Optional[float] = ELASTIC["speculate_after_s"]
+    poll_interval_s: float = ELASTIC["poll_interval_s"]
+    fetch_threads: Optional[int] = ELASTIC["fetch_threads"]
+    row_retries: int = ELASTIC["row_retries"]
+    max_failed_rows: int = ELASTIC["max_failed_rows"]
+    writer_queue_size: int = ELASTIC["writer_queue_size"]
+    progress_interval_s: float = ELASTIC["progress_interval_s"]
+    worker_name: Optional[str] = ELASTIC["worker_name"]
 
     def elastic_options(self) -> dict[str, Any]:
         """The keyword arguments of ElasticPredict besides the output directory."""

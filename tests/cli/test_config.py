@@ -461,12 +461,14 @@ def test_trainable_blocks_freezes_all_but_the_last_blocks_and_the_final_norm():
     assert all(p.requires_grad for p in everything.parameters())
 
 
-@pytest.mark.parametrize("name", ["paro", "ddp", "fsdp2"])
-def test_the_strategy_yaml_states_the_schema_defaults(name):
-    # the base strategy files repeat their schema's defaults so that a user reads them in one place; this keeps the
-    # two from drifting apart (the schema takes its values from PaROOptions, the library's one home for them)
+@pytest.mark.parametrize("name", ["strategy/paro", "strategy/ddp", "strategy/fsdp2", "predict/elastic"])
+def test_the_base_yaml_states_the_schema_defaults(name):
+    # the base config files repeat their schema's defaults so that a user reads them in one place; this keeps the
+    # two from drifting apart (the schemas take their values from PaROOptions and ElasticPredictConfig, the library's
+    # homes for them)
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(OmegaConf.load(package_config_dir() / "strategy" / f"{name}.yaml"))
-    defaults = dataclasses.asdict(schema.STRATEGY_SCHEMAS[name]())
-    assert node == defaults
+    node = OmegaConf.to_container(OmegaConf.load(package_config_dir() / f"{name}.yaml"))
+    group, base = name.split("/")
+    cls = schema.STRATEGY_SCHEMAS[base] if group == "strategy" else SETTINGS_SCHEMAS[group]
+    assert node == dataclasses.asdict(cls())
