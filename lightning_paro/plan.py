@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", choices=["bf16", "fp32"], default=None,
                    help="dtype gradients are reduced in (the strategy's reduce_dtype); default: their own")
     p.add_argument("--inter-quant", choices=["int8"], default=None,
-                   help="block-quantize the rail syncs between groups (the strategy's inter_quant)")
+                   help="block-quantize every hop between groups (the strategy's inter_quant)")
     p.add_argument("--activation-bytes-per-token", type=float, default=0.0, help="activation memory per token")
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (the strategy's prefetch)")
     p.add_argument("--chunk-mib", type=float, default=None,

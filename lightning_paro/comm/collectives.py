@@ -281,13 +281,14 @@ class Communicator:
         """Gather ``shard`` from every rank of ``scope`` into ``out`` (in place where ``shard`` is this rank's slot).
 
         ``global`` gathers 1/n shards at their layout positions: inter all-gather into this rank's intra block, then
-        intra all-gather of the blocks. ``quant`` ("int8"): a rail all-gather sends the shards block-quantized
+        intra all-gather of the blocks. ``quant`` ("int8"): the hop between groups sends the shards block-quantized
         (``comm.quantize``).
         """
         if self._quantized(quant, scope):
+            if scope == "global":
+                self._account("all_gather", INTRA, out.numel() * out.element_size())
             self._account_quantized("all_gather", shard.numel(), 1)
-            k, group = self.topology.num_groups, self._groups.rail
-            return self._submit(lambda: quantize.all_gather(out, shard, group, k), async_op, "all_gather", scope)
+            return self._submit(lambda: self._quantized_all_gather(out, shard, scope), async_op, "all_gather", scope)
         nbytes = out.numel() * out.element_size()
         if scope == "global":
             self._account("all_gather", INTER, nbytes // self.topology.group_size)
@@ -299,13 +300,14 @@ class Communicator:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
                        async_op: bool = False, quant: str | None = None) -> CommHandle | None:
         """Reduce ``full`` over the ranks of ``scope`` and keep this rank's slice of it in ``out``. ``quant``
-        ("int8"): a rail reduce-scatter sends each slice block-quantized to its owner (``comm.quantize``)."""
+        ("int8"): the hop between groups sends each slice block-quantized to its owner (``comm.quantize``)."""
         if self._quantized(quant, scope):
             if op != "sum":
                 raise ValueError("a quantized reduce-scatter sums")
+            if scope == "global":
+                self._account("reduce_scatter", INTRA, full.numel() * full.element_size())
             self._account_quantized("reduce_scatter", out.numel(), 1)
-            k, group, i = self.topology.num_groups, self._groups.rail, self.topology.group_index
-            return self._submit(lambda: quantize.reduce_scatter(out, full, group, k, i), async_op, "reduce_scatter",
+            return self._submit(lambda: self._quantized_reduce_scatter(out, full, scope), async_op, "reduce_scatter",
                                 scope)
         nbytes = full.numel() * full.element_size()
         if scope == "global":
@@ -318,13 +320,16 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
                    async_op: bool = False, quant: str | None = None) -> CommHandle | None:
         """Reduce ``tensor`` in place over the ranks of ``scope`` (``global`` runs hierarchically). ``quant``
-        ("int8"): a rail all-reduce is a quantized reduce-scatter and all-gather (``comm.quantize``)."""
+        ("int8"): the hop between groups is a quantized reduce-scatter and all-gather (``comm.quantize``)."""
         if self._quantized(quant, scope):
             if op != "sum":
                 raise ValueError("a quantized all-reduce sums")
-            self._account_quantized("all_reduce", tensor.numel() // self.topology.num_groups, 2)
-            k, group, i = self.topology.num_groups, self._groups.rail, self.topology.group_index
-            return self._submit(lambda: quantize.all_reduce(tensor, group, k, i), async_op, "all_reduce", scope)
+            block = tensor.numel() // (self.topology.group_size if scope == "global" else 1)
+            if scope == "global":
+                self._account("reduce_scatter", INTRA, tensor.numel() * tensor.element_size())
+                self._account("all_gather", INTRA, tensor.numel() * tensor.element_size())
+            self._account_quantized("all_reduce", block // self.topology.num_groups, 2)
+            return self._submit(lambda: self._quantized_all_reduce(tensor, scope), async_op, "all_reduce", scope)
         nbytes = tensor.numel() * tensor.element_size()
         if scope == "global":
             self._account("reduce_scatter", INTRA, nbytes)
@@ -385,15 +390,47 @@ class Communicator:
                              f"{self.device}; allocate control tensors on the compute device.")
 
     def _quantized(self, quant: str | None, scope: Scope) -> bool:
-        """Whether a collective goes quantized: asked for, over the rail, and across more than one group."""
+        """Whether a collective goes quantized between groups: asked for, crossing groups, and there are several."""
         if quant is None:
             return False
-        if quant not in quantize.SCHEMES or scope != INTER:
-            raise ValueError(f"PaRO quantizes rail collectives with {quantize.SCHEMES}, not {quant!r} over {scope!r}")
+        if quant not in quantize.SCHEMES or scope == INTRA:
+            raise ValueError(f"PaRO quantizes collectives between groups with {quantize.SCHEMES}, not {quant!r} over"
+                             f" {scope!r}")
         return self.topology.num_groups > 1
 
+    # A global collective with its hop between groups quantized runs its phases one after the other, as the plain
+    # two-phase version does (not pipelined as an HO-Ring): the phase inside groups in full, the rail one quantized.
+    def _quantized_all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope) -> None:
+        rail, g = self._groups.rail, self.topology.num_groups
+        if scope != "global":
+            quantize.all_gather(out, shard, rail, g)
+            return
+        block = self._block(out)
+        quantize.all_gather(block, shard, rail, g)
+        self._phase_all_gather(out, block, INTRA)
+
+    def _quantized_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope) -> None:
+        rail, g, i = self._groups.rail, self.topology.num_groups, self.topology.group_index
+        if scope != "global":
+            quantize.reduce_scatter(out, full, rail, g, i)
+            return
+        block = torch.empty(full.numel() // self.topology.group_size, dtype=full.dtype, device=full.device)
+        self._phase_reduce_scatter(block, full, INTRA)
+        quantize.reduce_scatter(out, block, rail, g, i)
+
+    def _quantized_all_reduce(self, tensor: torch.Tensor, scope: Scope) -> None:
+        rail, g, i = self._groups.rail, self.topology.num_groups, self.topology.group_index
+        if scope != "global":
+            quantize.all_reduce(tensor, rail, g, i)
+            return
+        block = torch.empty(tensor.numel() // self.topology.group_size, dtype=tensor.dtype, device=tensor.device)
+        self._phase_reduce_scatter(block, tensor, INTRA)
+        quantize.all_reduce(block, rail, g, i)
+        self._phase_all_gather(tensor, block, INTRA)
+
     def _account_quantized(self, op: str, slice_numel: int, times: int) -> None:
-        """A quantized rail collective sends one payload of a slice to each of the other groups (``times`` rounds)."""
+        """A quantized hop between groups sends one payload of a slice to each of the other groups (``times``
+        rounds)."""
         sent = times * (self.topology.num_groups - 1) * quantize.payload_bytes(slice_numel)
         self.meter.record(op, INTER, sent)
 

@@ -5,7 +5,8 @@ over 127) and one int8 per element, the element divided by the scale and rounded
 a scale of its value, so the error is relative to the largest value of its block (at most 1/254 of it). A payload is
 the scales followed by the int8 values, in one byte buffer (:func:`quantize`, :func:`dequantize`).
 
-The rail (inter-group) collectives built on it quantize each contribution once, as ZeRO++'s qgZ does: a
+The rail (inter-group) collectives built on it, which are also the hop between groups of a global collective
+(``Communicator``), quantize each contribution once, as ZeRO++'s qgZ does: a
 reduce-scatter sends each slice of the buffer, quantized, to the rank that owns it (one all-to-all) and the owner sums
 the dequantized slices in fp32 with its own exact one, so the error does not compound hop by hop with the number of
 groups; an all-gather sends the quantized shard and every rank, the owner included, keeps the dequantized values (all

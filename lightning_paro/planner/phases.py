@@ -25,8 +25,9 @@ HO-Ring's point-to-point sends can use a link better than the backend's collecti
 
 A buffer is given in bytes of its own elements (``element_bytes`` each); a collective that travels in another dtype
 (``param_dtype``, ``reduce_dtype``: the transition table's :class:`~lightning_paro.strategy.transitions.CommDtypes`)
-moves the bytes of that dtype, a quantized rail collective (``inter_quant``) its payloads
-(``transitions.phase_wire_bytes``).
+moves the bytes of that dtype, a hop between groups quantized (``inter_quant``) its payloads
+(``transitions.phase_wire_bytes``); a global collective quantized so runs its phases one after the other, not as an
+HO-Ring pipeline.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def transition_phases(transition: Transition, nbytes: float, cluster: Cluster,
     for c in transition:
         phases = [Phase(p.op, p.link, k, phase_wire_bytes(c, p, nbytes, element_bytes, k))
                   for p in link_phases(c, m, g) for k in [m if p.link == "intra" else g]]
-        out += _global(*phases) if c.scope == "global" else _phases(*phases)
+        # a global collective quantized between groups runs its phases one after the other
+        out += _global(*phases) if c.scope == "global" and c.quant is None else _phases(*phases)
     return tuple(out)
 
 

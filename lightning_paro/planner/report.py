@@ -44,7 +44,7 @@ def format_plan(result: Plan, markdown: bool = False) -> str:
     w, c = result.workload, result.cluster
     comm = "".join(f", {what} in {str(d).removeprefix('torch.')}" for what, d in
                    (("parameters gathered", w.comm.params), ("gradients reduced", w.comm.grads),
-                    ("rail syncs quantized", w.comm.inter_quant)) if d is not None)
+                    ("hops between groups quantized", w.comm.inter_quant)) if d is not None)
     header = (f"Psi {w.num_params:.4g} (trainable {w.num_trainable:.4g}){comm}, A={w.accumulation}, {w.num_units}"
               f" units, {describe_cluster(c)}; budget {format_bytes(result.budget_bytes)} of"
               f" {format_bytes(c.device_memory)} per rank")

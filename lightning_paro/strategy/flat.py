@@ -6,7 +6,7 @@ them between levels. It does not know about hooks or Lightning: the engine decid
 **Communication dtypes** (``transitions.CommDtypes``). A collective whose dtype differs from the buffer's travels
 through a scratch buffer of that dtype: the parameters are cast before an all-gather and the result cast back into
 the buffer; a gradient is flattened straight into the reduction dtype and each reduced shard added to the
-accumulator in the accumulator's dtype. A rail collective may go block-quantized (``inter_quant``: the communicator
+accumulator in the accumulator's dtype. A hop between groups may go block-quantized (``inter_quant``: the communicator
 quantizes and dequantizes). When parameters travel in fewer bits than they are stored in (bf16 for fp32, or int8),
 what every rank computes with is the same rounded copy: a gathered unit is rounded on the wire, and the OS -> P sync
 writes the rounded values into every rank's P-level storage, its own slice included, so the optimizer keeps a
@@ -25,7 +25,7 @@ from lightning_paro.comm.collectives import CommHandle, Communicator
 from lightning_paro.strategy import transitions
 from lightning_paro.strategy.layout import ShardLayout
 from lightning_paro.strategy.levels import Level, ShardingSpec
-from lightning_paro.strategy.transitions import EXACT, CommDtypes, lossy, rounds
+from lightning_paro.strategy.transitions import EXACT, CommDtypes, rounds
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -209,14 +209,15 @@ class FlatGroup:
         alloc_storage(self.p_full)
         self.gathered = True
         wire = gather.wire_dtype(self.dtype)
-        self.gathered_rounded = lossy(wire, self.dtype)
+        self.gathered_rounded = rounds(gather, self.dtype)
         full = self.p_full if wire == self.dtype else torch.empty(self.layout.padded, dtype=wire, device=self.device)
+        # (a quantized gather dequantizes into the buffer as it is)
         p0, _ = self.layout.range(self.spec.params)
         shard, local = full[p0:p0 + self.p_local.numel()], self.p_local
         # The copy runs on the communication thread, after any parameter sync still writing p_local.
         self.comm.submit(lambda: shard.copy_(local), async_op=True, what="parameter copy before all_gather",
                          scope=gather.scope)
-        handle = self.comm.all_gather(full, shard, gather.scope, async_op=async_op)
+        handle = self.comm.all_gather(full, shard, gather.scope, async_op=async_op, quant=gather.quant)
         if full is self.p_full:
             return handle
         p_full = self.p_full
@@ -282,7 +283,7 @@ class FlatGroup:
         del grads
         self._ensure_grad_shard()
         tmp = torch.empty(self.g_shard.numel(), dtype=flat.dtype, device=self.device)
-        self.comm.reduce_scatter(tmp, flat, reduce.scope, async_op=True)
+        self.comm.reduce_scatter(tmp, flat, reduce.scope, async_op=True, quant=reduce.quant)
         g_shard = self.g_shard
 
         def accumulate() -> None:

@@ -125,9 +125,9 @@ class PaROOptions:
     """The dtype gradients are reduced in ("bf16" or "fp32"; FSDP2's ``reduce_dtype``): each reduce-scatter and
     all-reduce sends and sums them in it; the accumulators keep the gradients' dtype. None: the gradients' own."""
     inter_quant: Optional[str] = None
-    """"int8": the collectives between groups over the rail (the once-per-step gradient and parameter syncs of IIG,
-    III, NII, INI, NNI) go block-quantized, one fp32 scale per 256 elements, each contribution quantized once;
-    collectives inside groups, and the global (HO-Ring) ones, are not. None: no quantization."""
+    """"int8": every hop between groups goes block-quantized (one fp32 scale per 256 int8 values, each contribution
+    quantized once); what moves inside groups keeps full precision (or ``param_dtype``/``reduce_dtype``). A global
+    collective then runs its two phases one after the other instead of as an HO-Ring pipeline. None: none."""
 
     def __post_init__(self) -> None:
         if not self.is_auto:

@@ -71,7 +71,7 @@ class PaROStrategy(ParallelStrategy):
     ``state_dict_type`` (``"sharded"`` directories any layout can read, or ``"full"`` files), ``gather`` (whether
     evaluation and the module after fit hold the whole model), ``param_dtype`` and ``reduce_dtype`` (the dtypes
     parameters are gathered and gradients reduced in during training, as FSDP2's ``MixedPrecisionPolicy``: "bf16"
-    halves those bytes), ``inter_quant`` ("int8": block-quantized traffic between groups over the rail),
+    halves those bytes), ``inter_quant`` ("int8": block-quantized traffic between groups),
     ``start_method``, ``process_group_backend`` and
     ``timeout`` (when a collective fails or stalls that long, every surviving rank raises
     :class:`~lightning_paro.comm.collectives.CollectiveError` naming the operation and scope). The others are

@@ -15,9 +15,9 @@ gathered over the rail (``inter``) and a global collective is an intra one and a
 
 Each collective also says the dtype it travels in (:class:`CommDtypes`, ``PaROStrategy(param_dtype=...,
 reduce_dtype=...)``): parameters in ``param_dtype``, gradients in ``reduce_dtype``, the buffer's own dtype where
-unset; and a rail collective (scope ``inter``) whether it is block-quantized (``inter_quant``,
-``lightning_paro.comm.quantize``). So its bytes on the wire (:func:`wire_bytes`, :func:`phase_wire_bytes`) are
-stated here too.
+unset; and a collective that crosses groups (scope ``inter`` or ``global``) whether its hop between groups is
+block-quantized (``inter_quant``, ``lightning_paro.comm.quantize``). So its bytes on the wire (:func:`wire_bytes`,
+:func:`phase_wire_bytes`) are stated here too.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class Collective:
     dtype: torch.dtype | None = None
     """The dtype it travels (and, for a reduction, sums) in; None: the buffer's own."""
     quant: str | None = None
-    """A rail collective sent block-quantized ("int8", ``comm.quantize``) instead of in ``dtype``; None: not."""
+    """Its phase between groups sent block-quantized ("int8", ``comm.quantize``) instead of in ``dtype``; None: not.
+    A quantized global collective runs its phases one after the other (not pipelined as an HO-Ring)."""
 
     def full_fraction(self, group_size: int) -> float:
         """The full side's share of the whole buffer."""
@@ -73,8 +74,8 @@ class CommDtypes:
     grads: torch.dtype | None = None
     """Gradient reductions (after a unit's backward, and G -> OS at the boundary); None: the gradients' dtype."""
     inter_quant: str | None = None
-    """"int8": the rail collectives (the hop between groups of the once-per-step gradient and parameter syncs) go
-    block-quantized, one quantization per contribution; None: in the dtypes above."""
+    """"int8": every collective's hop between groups goes block-quantized, one quantization per contribution; the
+    phases inside groups keep the dtypes above. None: everything in the dtypes above."""
 
 
 EXACT = CommDtypes()
@@ -130,15 +131,20 @@ class LinkPhase:
 Transition = tuple[Collective, ...]
 
 
+def _collective(op: Op, scope: Scope, full: Level, dtype: torch.dtype | None, comm: CommDtypes) -> Collective:
+    """A collective of the table, quantized between groups when it crosses them and ``comm`` asks for it."""
+    return Collective(op, scope, full, dtype, comm.inter_quant if scope != "intra" else None)
+
+
 def gather_params(params: Level, comm: CommDtypes = EXACT) -> Transition:
     """P-level shards -> the full parameters (before a unit's forward, and its backward)."""
-    return () if params == Level.N else (Collective("all_gather", SCOPE_OF[params], Level.N, comm.params),)
+    return () if params == Level.N else (_collective("all_gather", SCOPE_OF[params], Level.N, comm.params, comm),)
 
 
 def reduce_grads(grads: Level, comm: CommDtypes = EXACT) -> Transition:
     """A unit's full local gradient -> its G-level accumulator (after the unit's backward; nothing at G = N, where
     autograd accumulates into the full gradient)."""
-    return () if grads == Level.N else (Collective("reduce_scatter", SCOPE_OF[grads], Level.N, comm.grads),)
+    return () if grads == Level.N else (_collective("reduce_scatter", SCOPE_OF[grads], Level.N, comm.grads, comm),)
 
 
 def grads_to_optim(grads: Level, optim: Level, comm: CommDtypes = EXACT) -> Transition:
@@ -146,11 +152,11 @@ def grads_to_optim(grads: Level, optim: Level, comm: CommDtypes = EXACT) -> Tran
     d = comm.grads
     if grads == Level.N:
         if optim == Level.N:
-            return (Collective("all_reduce", "global", Level.N, d),)
+            return (_collective("all_reduce", "global", Level.N, d, comm),)
         if optim == Level.I:
             return (Collective("reduce_scatter", "intra", Level.N, d),
                     Collective("all_reduce", "inter", Level.I, d, comm.inter_quant))
-        return (Collective("reduce_scatter", "global", Level.N, d),)
+        return (_collective("reduce_scatter", "global", Level.N, d, comm),)
     if grads == Level.I:
         # the group has reduced its own contributions: the rail adds the other groups'
         if optim == Level.I:
@@ -164,7 +170,7 @@ def optim_to_params(optim: Level, params: Level, comm: CommDtypes = EXACT) -> Tr
     if params == optim:
         return ()
     if params == Level.N:
-        return (Collective("all_gather", SCOPE_OF[optim], Level.N, comm.params),)
+        return (_collective("all_gather", SCOPE_OF[optim], Level.N, comm.params, comm),)
     # G -> I: the sub-blocks of this rank's block, over its rail
     return (Collective("all_gather", "inter", Level.I, comm.params, comm.inter_quant),)
 

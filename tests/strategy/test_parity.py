@@ -19,11 +19,13 @@ WORLD, M, ACC, STEPS = 4, 2, 2, 6
 BF16 = ["ddp@bf16-mixed", "IIG@bf16-mixed"]
 # other optimizers and clipping by value: (paro config, ddp config)
 VARIANTS = [("NIG#sgd", "ddp#sgd"), ("GGG#adam", "ddp#adam"), ("IGG%value", "ddp%value"), ("NII#sgd%value", "ddp#sgd%value")]
-# parameters gathered and gradients reduced in bf16: every kind of collective of the level-transition table; the
-# rail syncs int8-quantized: each kind of rail collective (IIG: reduce-scatter and all-gather, III and NNI: all-reduce)
+# parameters gathered and gradients reduced in bf16: every kind of collective of the level-transition table; the hop
+# between groups int8-quantized: each kind of collective that crosses groups (IIG: rail reduce-scatter and all-gather,
+# III and NNI: rail all-reduce, GGG and NNG: global all-gather and reduce-scatter, NNN: global all-reduce)
 BF16_COMM, INT8_INTER = CommDtypes(torch.bfloat16, torch.bfloat16), CommDtypes(inter_quant="int8")
 COMM = {"IIG~bf16": BF16_COMM, "NNI~bf16": BF16_COMM, "NNG~bf16": BF16_COMM, "GGG~bf16": BF16_COMM,
-        "IIG~int8": INT8_INTER, "III~int8": INT8_INTER, "NNI~int8": INT8_INTER}
+        "IIG~int8": INT8_INTER, "III~int8": INT8_INTER, "NNI~int8": INT8_INTER, "GGG~int8": INT8_INTER,
+        "NNG~int8": INT8_INTER, "NNN~int8": INT8_INTER}
 
 
 @pytest.fixture(scope="module")
