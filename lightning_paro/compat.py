@@ -114,7 +114,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                _source_mentions("lightning.pytorch.core.optimizer", "LightningOptimizer.__init__", "self._optimizer")),
     PrivateAPI("torch.distributed.checkpoint tensor protocol (__create_write_items__, __create_chunk_list__,"
                " __get_tensor_shard__)", "checkpoint",
-               "strategy/checkpoint.py FlatChunks: each rank saves its slices of the flat buffers under the tensors'"
+               "strategy/flat_chunks.py FlatChunks: each rank saves its slices of the flat buffers under the tensors'"
                " own names and shapes",
                lambda: (_source_mentions("torch.distributed.checkpoint.planner_helpers", "_create_write_items",
                                          "__create_write_items__")()
@@ -124,7 +124,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                             importlib.import_module("torch.distributed.checkpoint.utils")))),
     PrivateAPI("torch.distributed.checkpoint.DefaultLoadPlanner.set_up_planner (sets state_dict, mappings,"
                " flatten_state_dict)", "checkpoint",
-               "strategy/checkpoint.py ChunkLoadPlanner: hides its chunk objects from the default set-up and puts"
+               "strategy/flat_chunks.py ChunkLoadPlanner: hides its chunk objects from the default set-up and puts"
                " them back under the flattened keys",
                _source_mentions("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.set_up_planner",
                                 "self.state_dict", "self.mappings")),

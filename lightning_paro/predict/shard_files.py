@@ -19,6 +19,8 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lightning_paro.durable import fsync_dir
+
 FORMATS = ("parquet", "jsonl")
 TEMP_PREFIX = ".tmp-"
 ERRORS_DIR = "_errors"
@@ -52,14 +54,6 @@ def existing_errors_file(output_dir: Path, start_row: int, end_row: int) -> Opti
     """A shard's published errors file, under the current or a legacy errors directory; None if there is none."""
     name = Path(errors_file_name(start_row, end_row)).name
     return next((d / name for d in errors_dirs(output_dir) if (d / name).exists()), None)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def describe_os_error(exc: OSError, path: Path) -> str:
@@ -118,7 +112,7 @@ def publish(temp: Path, final: Path) -> PublishResult:
         temp.unlink()
     except FileNotFoundError:
         pass
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return PublishResult(created=created, path=final)
 
 

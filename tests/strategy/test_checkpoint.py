@@ -9,7 +9,8 @@ import pytest
 import torch
 from launch import launch
 
-from lightning_paro.strategy.checkpoint import convert_to_full, range_chunks
+from lightning_paro.strategy.checkpoint import convert_to_full
+from lightning_paro.strategy.flat_chunks import range_chunks
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 
 
