@@ -495,7 +495,7 @@ def profile(data: Path, batch_size: int, batches: int = 200, rounds: int = 3) ->
     _, layout = fresh()
     batches = min(batches, layout.num_rows // batch_size)
     rows = batches * batch_size
-    tickets = [BatchTicket(0, 0, 0, tuple(range(b * batch_size, (b + 1) * batch_size)), False, 1)
+    tickets = [BatchTicket(0, 0, 0, range(b * batch_size, (b + 1) * batch_size), False, 1)
                for b in range(batches)]
 
     def one_round() -> dict:
