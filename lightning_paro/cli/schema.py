@@ -109,6 +109,8 @@ class ParoStrategyConfig:
     """PaROOptions.reduce_dtype: bf16, fp32 or null (the gradients' own dtype)."""
     inter_quant: Optional[str] = LIBRARY.inter_quant
     """PaROOptions.inter_quant: int8 or null."""
+    error_feedback: bool = LIBRARY.error_feedback
+    """PaROOptions.error_feedback (with inter_quant)."""
 
     def to_options(self) -> PaROOptions:
         """The library's options for this node, checked there; a value they refuse is a ConfigError naming its key
@@ -125,7 +127,8 @@ class ParoStrategyConfig:
                                auto=auto, state_dict_type=self.state_dict_type, gather=self.gather,
                                start_method=self.start_method, process_group_backend=self.process_group_backend,
                                timeout=timedelta(seconds=self.timeout_s), param_dtype=self.param_dtype,
-                               reduce_dtype=self.reduce_dtype, inter_quant=self.inter_quant)
+                               reduce_dtype=self.reduce_dtype, inter_quant=self.inter_quant,
+                               error_feedback=self.error_feedback)
 
     def _link(self, side: str) -> Optional[Link]:
         """The given link of one side (None: the probe measures it); Link checks the overlap even without one."""

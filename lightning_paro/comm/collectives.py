@@ -298,17 +298,20 @@ class Communicator:
         return self._submit(lambda: self._all_gather(out, shard, scope), async_op, "all_gather", scope)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
-                       async_op: bool = False, quant: str | None = None) -> CommHandle | None:
+                       async_op: bool = False, quant: str | None = None,
+                       error: torch.Tensor | None = None) -> CommHandle | None:
         """Reduce ``full`` over the ranks of ``scope`` and keep this rank's slice of it in ``out``. ``quant``
-        ("int8"): the hop between groups sends each slice block-quantized to its owner (``comm.quantize``)."""
+        ("int8"): the hop between groups sends each slice block-quantized to its owner (``comm.quantize``), with
+        ``error`` feedback when given (fp32, the size of the buffer the hop reduces: 1/m of ``full`` for a global
+        reduce-scatter)."""
         if self._quantized(quant, scope):
             if op != "sum":
                 raise ValueError("a quantized reduce-scatter sums")
             if scope == "global":
                 self._account("reduce_scatter", INTRA, full.numel() * full.element_size())
             self._account_quantized("reduce_scatter", out.numel(), 1)
-            return self._submit(lambda: self._quantized_reduce_scatter(out, full, scope), async_op, "reduce_scatter",
-                                scope)
+            return self._submit(lambda: self._quantized_reduce_scatter(out, full, scope, error), async_op,
+                                "reduce_scatter", scope)
         nbytes = full.numel() * full.element_size()
         if scope == "global":
             self._account("reduce_scatter", INTRA, nbytes)
@@ -318,9 +321,11 @@ class Communicator:
         return self._submit(lambda: self._reduce_scatter(out, full, scope, op), async_op, "reduce_scatter", scope)
 
     def all_reduce(self, tensor: torch.Tensor, scope: Scope, op: ReduceOp = "sum",
-                   async_op: bool = False, quant: str | None = None) -> CommHandle | None:
+                   async_op: bool = False, quant: str | None = None,
+                   error: torch.Tensor | None = None) -> CommHandle | None:
         """Reduce ``tensor`` in place over the ranks of ``scope`` (``global`` runs hierarchically). ``quant``
-        ("int8"): the hop between groups is a quantized reduce-scatter and all-gather (``comm.quantize``)."""
+        ("int8"): the hop between groups is a quantized reduce-scatter (with ``error`` feedback when given, as in
+        :meth:`reduce_scatter`) and all-gather (``comm.quantize``)."""
         if self._quantized(quant, scope):
             if op != "sum":
                 raise ValueError("a quantized all-reduce sums")
@@ -329,7 +334,8 @@ class Communicator:
                 self._account("reduce_scatter", INTRA, tensor.numel() * tensor.element_size())
                 self._account("all_gather", INTRA, tensor.numel() * tensor.element_size())
             self._account_quantized("all_reduce", block // self.topology.num_groups, 2)
-            return self._submit(lambda: self._quantized_all_reduce(tensor, scope), async_op, "all_reduce", scope)
+            return self._submit(lambda: self._quantized_all_reduce(tensor, scope, error), async_op, "all_reduce",
+                                scope)
         nbytes = tensor.numel() * tensor.element_size()
         if scope == "global":
             self._account("reduce_scatter", INTRA, nbytes)
@@ -409,23 +415,24 @@ class Communicator:
         quantize.all_gather(block, shard, rail, g)
         self._phase_all_gather(out, block, INTRA)
 
-    def _quantized_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope) -> None:
+    def _quantized_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: Scope,
+                                  error: torch.Tensor | None) -> None:
         rail, g, i = self._groups.rail, self.topology.num_groups, self.topology.group_index
         if scope != "global":
-            quantize.reduce_scatter(out, full, rail, g, i)
+            quantize.reduce_scatter(out, full, rail, g, i, error)
             return
         block = torch.empty(full.numel() // self.topology.group_size, dtype=full.dtype, device=full.device)
         self._phase_reduce_scatter(block, full, INTRA)
-        quantize.reduce_scatter(out, block, rail, g, i)
+        quantize.reduce_scatter(out, block, rail, g, i, error)
 
-    def _quantized_all_reduce(self, tensor: torch.Tensor, scope: Scope) -> None:
+    def _quantized_all_reduce(self, tensor: torch.Tensor, scope: Scope, error: torch.Tensor | None) -> None:
         rail, g, i = self._groups.rail, self.topology.num_groups, self.topology.group_index
         if scope != "global":
-            quantize.all_reduce(tensor, rail, g, i)
+            quantize.all_reduce(tensor, rail, g, i, error)
             return
         block = torch.empty(tensor.numel() // self.topology.group_size, dtype=tensor.dtype, device=tensor.device)
         self._phase_reduce_scatter(block, tensor, INTRA)
-        quantize.all_reduce(block, rail, g, i)
+        quantize.all_reduce(block, rail, g, i, error)
         self._phase_all_gather(tensor, block, INTRA)
 
     def _account_quantized(self, op: str, slice_numel: int, times: int) -> None:

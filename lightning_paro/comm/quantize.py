@@ -11,6 +11,10 @@ reduce-scatter sends each slice of the buffer, quantized, to the rank that owns 
 the dequantized slices in fp32 with its own exact one, so the error does not compound hop by hop with the number of
 groups; an all-gather sends the quantized shard and every rank, the owner included, keeps the dequantized values (all
 ranks hold the same numbers); an all-reduce is the two.
+
+Error feedback (for gradients): a sender keeps what quantization left out of each slice it sent and adds it to the
+same slice of its next reduction (:func:`quantize_with_feedback`), so the errors of successive steps cancel instead of
+adding up: over any number of steps, what arrived differs from what was meant by one step's rounding at most.
 """
 
 from __future__ import annotations
@@ -57,6 +61,15 @@ def dequantize(payload: torch.Tensor, numel: int) -> torch.Tensor:
     return (values.view(blocks, BLOCK) * scale.unsqueeze(1)).view(-1)[:numel]
 
 
+def quantize_with_feedback(x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """The payload of ``x`` plus the ``error`` left by earlier sends (fp32, ``x``'s size), and ``error`` replaced by
+    what this payload leaves out."""
+    target = x.to(torch.float32) + error
+    payload = quantize(target)
+    torch.sub(target, dequantize(payload, x.numel()), out=error)
+    return payload
+
+
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group, ranks: int) -> None:
     """``out`` (``ranks`` shards in rank order) from every rank's quantized ``shard``; this rank's slot too holds the
     dequantized values, so every rank holds the same. ``shard`` may be a view of ``out``."""
@@ -69,11 +82,17 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group, ranks: int) -> Non
         out[r * s:(r + 1) * s].copy_(dequantize(gathered[r * p:(r + 1) * p], s))
 
 
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, index: int) -> None:
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, index: int,
+                   error: torch.Tensor | None = None) -> None:
     """``out``: slice ``index`` of ``full`` summed over the ranks, each peer's slice sent quantized (one all-to-all),
-    this rank's own added exact, the sum in fp32."""
+    this rank's own added exact, the sum in fp32. ``error`` (fp32, ``full``'s size): error feedback for the slices
+    sent (:func:`quantize_with_feedback`); this rank's own slice is never rounded."""
     s = out.numel()
-    send = torch.cat([quantize(full[r * s:(r + 1) * s]) for r in range(ranks)])
+    if error is not None and error.numel() != full.numel():
+        raise ValueError(f"the error feedback buffer holds {error.numel()} elements, the reduced one {full.numel()}")
+    send = torch.cat([quantize(full[r * s:(r + 1) * s]) if error is None or r == index else
+                      quantize_with_feedback(full[r * s:(r + 1) * s], error[r * s:(r + 1) * s])
+                      for r in range(ranks)])
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     p = send.numel() // ranks
@@ -84,9 +103,10 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, ind
     out.copy_(total)
 
 
-def all_reduce(tensor: torch.Tensor, group, ranks: int, index: int) -> None:
-    """``tensor`` summed over the ranks: a quantized reduce-scatter, then a quantized all-gather of the sums."""
+def all_reduce(tensor: torch.Tensor, group, ranks: int, index: int, error: torch.Tensor | None = None) -> None:
+    """``tensor`` summed over the ranks: a quantized reduce-scatter (with ``error`` feedback), then a quantized
+    all-gather of the sums."""
     s = tensor.numel() // ranks
     part = torch.empty(s, dtype=tensor.dtype, device=tensor.device)
-    reduce_scatter(part, tensor, group, ranks, index)
+    reduce_scatter(part, tensor, group, ranks, index, error)
     all_gather(tensor, part, group, ranks)

@@ -59,7 +59,7 @@ from lightning_paro.planner.phases import (
     seconds_and_processor_seconds,
 )
 from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
-from lightning_paro.strategy.transitions import dtype_bytes, optim_to_params
+from lightning_paro.strategy.transitions import dtype_bytes, grads_to_optim, optim_to_params, reduce_grads
 from lightning_paro.strategy.volumes import Traffic, model_state_bytes, step_traffic
 
 
@@ -286,6 +286,11 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
     states = model_state_bytes(spec, workload.num_params, workload.num_trainable, m, n,
                                param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
                                optim_bytes=optim_bytes)
+    grads = states["grads"]
+    comm = workload.comm
+    gradient_syncs = (*reduce_grads(spec.grads, comm), *grads_to_optim(spec.grads, spec.optim, comm))
+    if comm.error_feedback and cluster.num_groups > 1 and any(c.quant for c in gradient_syncs):
+        grads += 4 * workload.num_trainable / m  # the error feedback of the 1/m block that crosses groups
     split = _split(workload)
     in_flight = min(workload.num_units, 1 + max(0, prefetch))
     transient = 0.0
@@ -293,7 +298,7 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
         transient += split.root_params + in_flight * split.unit_params
     if spec.grads != Level.N:
         transient += split.root_trainable + min(workload.num_units, 2) * split.unit_trainable
-    return Memory(params=states["params"], grads=states["grads"], optim=states["optim"], transient=transient,
+    return Memory(params=states["params"], grads=grads, optim=states["optim"], transient=transient,
                   activations=workload.activation_bytes_per_token * workload.tokens_per_micro_batch)
 
 

@@ -146,6 +146,9 @@ class FlatGroup:
         """Ranges of the optimizer shard that no rank produced a gradient for: the step must leave them alone."""
         self.pending_reduce: CommHandle | None = None
         self.pending_param_sync: CommHandle | None = None
+        self.quant_error: torch.Tensor | None = None
+        """Error feedback of the gradient reduction quantized between groups (``CommDtypes.error_feedback``): what
+        this rank's quantized sends left out so far, fp32, the size of the 1/m block that crosses groups."""
         self.params_exact = True
         """Whether the P-level storage holds the exact weights (False after a parameter sync that rounded them)."""
         self.exact_gathers = False
@@ -166,6 +169,12 @@ class FlatGroup:
         else:
             self.g_shard = torch.zeros(self.layout.shard_numel(spec.grads), dtype=self.dtype, device=self.device)
             free_storage(self.g_shard)  # allocated at the step's first reduction, freed after the optimizer step
+        quantized = [c for c in (*transitions.reduce_grads(spec.grads, self.comm_dtypes),
+                                 *transitions.grads_to_optim(spec.grads, spec.optim, self.comm_dtypes)) if c.quant]
+        if quantized and self.comm_dtypes.error_feedback and self.comm.topology.num_groups > 1:
+            # one gradient collective crosses groups at most; its hop reduces a 1/m block of the buffer
+            self.quant_error = torch.zeros(L // self.comm.topology.group_size, dtype=torch.float32,
+                                           device=self.device)
         o0, o1 = self.layout.range(spec.optim)
         p0 = self.layout.start(spec.params)
         own = self.p_local[o0 - p0:o1 - p0]
@@ -283,7 +292,8 @@ class FlatGroup:
         del grads
         self._ensure_grad_shard()
         tmp = torch.empty(self.g_shard.numel(), dtype=flat.dtype, device=self.device)
-        self.comm.reduce_scatter(tmp, flat, reduce.scope, async_op=True, quant=reduce.quant)
+        self.comm.reduce_scatter(tmp, flat, reduce.scope, async_op=True, quant=reduce.quant,
+                                 error=self.quant_error if reduce.quant else None)
         g_shard = self.g_shard
 
         def accumulate() -> None:
@@ -310,11 +320,12 @@ class FlatGroup:
         sync = transitions.grads_to_optim(spec.grads, spec.optim, self.comm_dtypes)
         buf = grad if not sync else grad.to(sync[0].wire_dtype(self.dtype))  # the same tensor in its own dtype
         for c in sync:
+            error = self.quant_error if c.quant else None
             if c.op == "all_reduce":
-                self.comm.all_reduce(buf, c.scope, quant=c.quant)
+                self.comm.all_reduce(buf, c.scope, quant=c.quant, error=error)
             else:  # reduce_scatter: this rank's slice of the sum
                 out = torch.empty(buf.numel() // ranks[c.scope], dtype=buf.dtype, device=self.device)
-                self.comm.reduce_scatter(out, buf, c.scope, quant=c.quant)
+                self.comm.reduce_scatter(out, buf, c.scope, quant=c.quant, error=error)
                 buf = out
         if buf is not grad:  # back to the accumulator's dtype
             grad = grad.copy_(buf) if buf.numel() == grad.numel() else buf.to(self.dtype)
@@ -399,6 +410,8 @@ class FlatGroup:
         if self.trainable:
             g = self.g_full if self.spec.grads == Level.N else self.g_shard
             out["grads"] = g.numel() * g.element_size()
+            if self.quant_error is not None:  # error feedback: kept beside the gradients
+                out["grads"] += self.quant_error.numel() * self.quant_error.element_size()
             if self.master.data_ptr() != self.own_param_slot.data_ptr():
                 out["master"] = self.master.numel() * self.master.element_size()
         return out

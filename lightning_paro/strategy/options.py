@@ -128,6 +128,10 @@ class PaROOptions:
     """"int8": every hop between groups goes block-quantized (one fp32 scale per 256 int8 values, each contribution
     quantized once); what moves inside groups keeps full precision (or ``param_dtype``/``reduce_dtype``). A global
     collective then runs its two phases one after the other instead of as an HO-Ring pipeline. None: none."""
+    error_feedback: bool = False
+    """With inter_quant: each rank carries what quantizing its gradients for the hop between groups left out into its
+    next reduction, so rounding errors cancel over steps instead of adding up (an fp32 buffer of 1/m of each flat
+    gradient per rank, not checkpointed)."""
 
     def __post_init__(self) -> None:
         if not self.is_auto:
@@ -167,6 +171,11 @@ class PaROOptions:
         if self.inter_quant is not None and self.inter_quant not in SCHEMES:
             raise OptionError("inter_quant", f"inter_quant must be 'int8' (block-quantized traffic between groups) or"
                                              f" None, got {self.inter_quant!r}.")
+        if not isinstance(self.error_feedback, bool):
+            raise OptionError("error_feedback", f"error_feedback must be True or False, got {self.error_feedback!r}.")
+        if self.error_feedback and self.inter_quant is None:
+            raise OptionError("error_feedback", "error_feedback carries quantization errors over: it needs"
+                                                " inter_quant='int8'.")
 
     @property
     def is_auto(self) -> bool:
@@ -183,7 +192,7 @@ class PaROOptions:
         """``param_dtype`` and ``reduce_dtype`` as the engine's
         :class:`~lightning_paro.strategy.transitions.CommDtypes`."""
         return CommDtypes(comm_dtype("param_dtype", self.param_dtype), comm_dtype("reduce_dtype", self.reduce_dtype),
-                          self.inter_quant)
+                          self.inter_quant, self.error_feedback)
 
     @property
     def gather_config(self) -> GatherConfig:

@@ -71,7 +71,7 @@ class PaROStrategy(ParallelStrategy):
     ``state_dict_type`` (``"sharded"`` directories any layout can read, or ``"full"`` files), ``gather`` (whether
     evaluation and the module after fit hold the whole model), ``param_dtype`` and ``reduce_dtype`` (the dtypes
     parameters are gathered and gradients reduced in during training, as FSDP2's ``MixedPrecisionPolicy``: "bf16"
-    halves those bytes), ``inter_quant`` ("int8": block-quantized traffic between groups),
+    halves those bytes), ``inter_quant`` ("int8": block-quantized traffic between groups) and ``error_feedback``,
     ``start_method``, ``process_group_backend`` and
     ``timeout`` (when a collective fails or stalls that long, every surviving rank raises
     :class:`~lightning_paro.comm.collectives.CollectiveError` naming the operation and scope). The others are
@@ -102,6 +102,7 @@ class PaROStrategy(ParallelStrategy):
         param_dtype: Union[str, torch.dtype, None] = _DEFAULT.param_dtype,
         reduce_dtype: Union[str, torch.dtype, None] = _DEFAULT.reduce_dtype,
         inter_quant: Optional[str] = _DEFAULT.inter_quant,
+        error_feedback: bool = _DEFAULT.error_feedback,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -114,7 +115,8 @@ class PaROStrategy(ParallelStrategy):
                                    chunk_bytes=chunk_bytes, log_traffic=log_traffic, auto=auto,
                                    state_dict_type=state_dict_type, gather=gather, start_method=start_method,
                                    process_group_backend=process_group_backend, timeout=timeout,
-                                   param_dtype=param_dtype, reduce_dtype=reduce_dtype, inter_quant=inter_quant)
+                                   param_dtype=param_dtype, reduce_dtype=reduce_dtype, inter_quant=inter_quant,
+                                   error_feedback=error_feedback)
         """The options as given (validated)."""
         self._auto = self.options.is_auto
         self.sharding: Optional[ShardingSpec] = self.options.spec

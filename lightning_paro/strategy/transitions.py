@@ -76,6 +76,9 @@ class CommDtypes:
     inter_quant: str | None = None
     """"int8": every collective's hop between groups goes block-quantized, one quantization per contribution; the
     phases inside groups keep the dtypes above. None: everything in the dtypes above."""
+    error_feedback: bool = False
+    """With ``inter_quant``: each rank carries what quantizing its gradients left out into its next reduction (the
+    bytes sent do not change)."""
 
 
 EXACT = CommDtypes()

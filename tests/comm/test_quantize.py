@@ -38,3 +38,18 @@ def test_a_payload_may_start_at_any_byte():
     both = torch.cat([quantize.quantize(torch.randn(1)), quantize.quantize(x)])
     assert torch.equal(quantize.dequantize(both[quantize.payload_bytes(1):], 3),
                        quantize.dequantize(quantize.quantize(x), 3))
+
+
+def test_error_feedback_keeps_the_sum_of_many_sends_within_one_rounding():
+    """Sending the same values step after step: without feedback the rounding adds up linearly; with it, what arrived
+    over all steps differs from what was sent by what the last send left out (at most half a scale per element)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, generator=g)
+    steps = 50
+    plain = sum(quantize.dequantize(quantize.quantize(x), 512) for _ in range(steps))
+    error = torch.zeros(512)
+    fed = sum(quantize.dequantize(quantize.quantize_with_feedback(x, error), 512) for _ in range(steps))
+    half_scale = (x.view(-1, quantize.BLOCK).abs().amax(1) / 127 / 2).repeat_interleave(quantize.BLOCK)
+    assert ((fed - steps * x).abs() <= half_scale * 1.02 + 1e-6).all()
+    assert torch.allclose(fed + error, steps * x, atol=1e-4)  # nothing is lost: it is still in the error
+    assert (plain - steps * x).abs().max() > 10 * (fed - steps * x).abs().max()

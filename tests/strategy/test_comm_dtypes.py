@@ -25,7 +25,7 @@ from lightning_paro.strategy.transitions import CommDtypes
 from lightning_paro.strategy.volumes import step_traffic
 
 WORLD, M, STEPS, LAST = 4, 2, 200, 50
-EXACT_RUN, BF16_RUN, INT8_RUN = "IIG~-+-", "IIG~bf16+bf16", "IIG~-+-+int8"
+EXACT_RUN, BF16_RUN, INT8_RUN, INT8_EF_RUN = "IIG~-+-", "IIG~bf16+bf16", "IIG~-+-+int8", "IIG~-+-+int8ef"
 # 8 steps with a validation and a sharded checkpoint after step 4: P = N and P = I, each with a separate master
 CHECKED = ["NNG~bf16+bf16:8:check", "IIG~bf16+bf16:8:check"]
 
@@ -33,7 +33,8 @@ CHECKED = ["NNG~bf16+bf16:8:check", "IIG~bf16+bf16:8:check"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm_dtypes")
-    launch("comm_dtypes.py", WORLD, str(out), str(STEPS), EXACT_RUN, BF16_RUN, INT8_RUN, *CHECKED, timeout=240)
+    launch("comm_dtypes.py", WORLD, str(out), str(STEPS), EXACT_RUN, BF16_RUN, INT8_RUN, INT8_EF_RUN, *CHECKED,
+           timeout=240)
 
     def load(run):
         return ([json.loads((out / f"{run}.{r}.json").read_text()) for r in range(WORLD)],
@@ -51,7 +52,7 @@ def _bytes(step: dict) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("run", [BF16_RUN, INT8_RUN])
+@pytest.mark.parametrize("run", [BF16_RUN, INT8_RUN, INT8_EF_RUN])
 def test_final_loss_within_the_resolution_of_the_fp32_run(runs, run):
     exact = runs(EXACT_RUN)[0][0]["losses"]
     got = runs(run)[0][0]["losses"]
@@ -64,9 +65,13 @@ def test_final_loss_within_the_resolution_of_the_fp32_run(runs, run):
 
 
 @pytest.mark.timeout(300)
-def test_int8_between_groups_sends_a_quarter_there_and_the_same_inside(runs):
-    (exact, _), (int8, weights) = runs(EXACT_RUN), runs(INT8_RUN)
+@pytest.mark.parametrize("run", [INT8_RUN, INT8_EF_RUN])
+def test_int8_between_groups_sends_a_quarter_there_and_the_same_inside(runs, run):
+    (exact, _), (int8, weights) = runs(EXACT_RUN), runs(run)
     for r in range(WORLD):
+        # error feedback: the trainable flat groups keep an error buffer (they all cross groups under IIG)
+        assert [f["error_feedback"] for f in int8[r]["flats"]] == [
+            run == INT8_EF_RUN and f["trainable"] for f in int8[r]["flats"]]
         for a, b in zip(int8[r]["traffic"], exact[r]["traffic"]):
             assert _bytes(a)["intra"] == _bytes(b)["intra"]
             assert 0.25 * _bytes(b)["inter"] < _bytes(a)["inter"] < 0.26 * _bytes(b)["inter"]
@@ -127,6 +132,9 @@ def test_the_options_name_the_dtypes_and_refuse_others():
     with pytest.raises(ValueError, match="reduce_dtype"):
         PaROStrategy(reduce_dtype="int8")
     assert PaROOptions(inter_quant="int8").comm_dtypes == CommDtypes(inter_quant="int8")
+    assert PaROOptions(inter_quant="int8", error_feedback=True).comm_dtypes.error_feedback
+    with pytest.raises(OptionError, match="needs inter_quant='int8'"):
+        PaROOptions(error_feedback=True)
     with pytest.raises(OptionError, match="inter_quant must be 'int8'") as info:
         PaROOptions(inter_quant="int4")
     assert info.value.option == "inter_quant"
@@ -167,6 +175,9 @@ def test_the_cost_model_counts_the_bytes_and_the_master_copy():
     assert q.traffic.inter == pytest.approx(a.traffic.inter * (1 + 4 / 256) / 4)
     assert q.step_seconds < a.step_seconds
     assert q.memory.optim == pytest.approx(a.memory.optim + 4 * psi_os)
+    ef = dataclasses.replace(fp32, comm=CommDtypes(inter_quant="int8", error_feedback=True))
+    assert predict("IIG", ef, cluster, compute).memory.grads == pytest.approx(q.memory.grads + 4 * 1e9 / 8)
+    assert predict("IIG", ef, cluster, compute).traffic == q.traffic  # error feedback sends nothing more
     a, q = predict("GGG", fp32, cluster, compute), predict("GGG", int8, cluster, compute)  # global collectives too
     assert q.traffic.intra == a.traffic.intra
     assert q.traffic.inter == pytest.approx(a.traffic.inter * (1 + 4 / 256) / 4)

@@ -25,7 +25,10 @@ VARIANTS = [("NIG#sgd", "ddp#sgd"), ("GGG#adam", "ddp#adam"), ("IGG%value", "ddp
 BF16_COMM, INT8_INTER = CommDtypes(torch.bfloat16, torch.bfloat16), CommDtypes(inter_quant="int8")
 COMM = {"IIG~bf16": BF16_COMM, "NNI~bf16": BF16_COMM, "NNG~bf16": BF16_COMM, "GGG~bf16": BF16_COMM,
         "IIG~int8": INT8_INTER, "III~int8": INT8_INTER, "NNI~int8": INT8_INTER, "GGG~int8": INT8_INTER,
-        "NNG~int8": INT8_INTER, "NNN~int8": INT8_INTER}
+        "NNG~int8": INT8_INTER, "NNN~int8": INT8_INTER,
+        # with error feedback: a rail sync (IIG) and the global reduce-scatter of every micro-step (GGG)
+        "IIG~int8ef": CommDtypes(inter_quant="int8", error_feedback=True),
+        "GGG~int8ef": CommDtypes(inter_quant="int8", error_feedback=True)}
 
 
 @pytest.fixture(scope="module")

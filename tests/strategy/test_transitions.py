@@ -45,11 +45,11 @@ class RecordingComm:
         assert shard.dtype == out.dtype
         self.calls.append(("all_gather", scope, out.numel(), out.dtype, quant))
 
-    def reduce_scatter(self, out, full, scope, async_op=False, quant=None):
+    def reduce_scatter(self, out, full, scope, async_op=False, quant=None, error=None):
         assert out.dtype == full.dtype
         self.calls.append(("reduce_scatter", scope, full.numel(), full.dtype, quant))
 
-    def all_reduce(self, tensor, scope, async_op=False, quant=None):
+    def all_reduce(self, tensor, scope, async_op=False, quant=None, error=None):
         self.calls.append(("all_reduce", scope, tensor.numel(), tensor.dtype, quant))
 
     def submit(self, fn, *args, **kwargs):

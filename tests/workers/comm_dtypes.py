@@ -2,7 +2,8 @@
 save each run's per-step losses, its traffic per optimizer step and its weights after fit.
 
 argv: output directory, steps, then runs as ``NAME~PARAM+REDUCE[+QUANT][:STEPS:check]`` (``-``: the option left
-unset; QUANT is ``inter_quant``), e.g. ``IIG~-+-`` (exact), ``IIG~bf16+bf16`` and ``IIG~-+-+int8``. ``:STEPS:check`` trains that many steps with a validation and a sharded
+unset; QUANT is ``inter_quant``, ``int8ef`` with error feedback), e.g. ``IIG~-+-`` (exact), ``IIG~bf16+bf16`` and
+``IIG~-+-+int8``. ``:STEPS:check`` trains that many steps with a validation and a sharded
 checkpoint in the middle, and records whether the checkpoint's weights are the optimizer's fp32 masters.
 """
 
@@ -72,7 +73,7 @@ for run in runs:
     data = StdlibData(seq_len=32, train_bytes=40_000, held_out_bytes=20_000, batch_size=4)
     strategy = PaROStrategy(sharding=name, group_size=2, param_dtype=None if param in ("", "-") else param,
                             reduce_dtype=None if reduce in ("", "-") else reduce,
-                            inter_quant=None if quant in ("", "-") else quant)
+                            inter_quant=None if quant in ("", "-") else "int8", error_feedback=quant == "int8ef")
     record = Record()
     callbacks = [record]
     if check:
@@ -85,7 +86,8 @@ for run in runs:
     trainer.fit(model, datamodule=data)
     traffic = [{"intra": t.intra, "inter": t.inter, "by_op": t.by_op} for t in strategy.traffic_history]
     flats = [{"root": u is strategy.engine.root, "trainable": f.trainable, "padded": f.layout.padded,
-              "elsize": f.p_local.element_size()} for u in strategy.engine.units for f in u.flats]
+              "elsize": f.p_local.element_size(), "error_feedback": f.quant_error is not None}
+             for u in strategy.engine.units for f in u.flats]
     result = {"losses": record.losses, "traffic": traffic, "flats": flats,
               "val_loss": trainer.callback_metrics.get("val_loss", torch.tensor(float("nan"))).item()}
     if check:

@@ -54,7 +54,8 @@ class Probe(L.Callback):
 
 with package_deprecations() as deprecations:
     for spec in strategies:
-        # NAME[@precision][#optimizer][%clip algorithm][~bf16 (parameters and gradients) or int8 (between groups)]
+        # NAME[@precision][#optimizer][%clip algorithm][~bf16 (parameters and gradients), int8 (between groups) or
+        # int8ef (int8 with error feedback)]
         rest, _, comm_dtype = spec.partition("~")
         rest, _, clip = rest.partition("%")
         rest, _, optimizer = rest.partition("#")
@@ -65,7 +66,7 @@ with package_deprecations() as deprecations:
         dtype = comm_dtype if comm_dtype in ("bf16", "fp32") else None
         strategy = "ddp_find_unused_parameters_true" if name == "ddp" else PaROStrategy(
             sharding=name, group_size=2, param_dtype=dtype, reduce_dtype=dtype,
-            inter_quant="int8" if comm_dtype == "int8" else None)
+            inter_quant="int8" if comm_dtype.startswith("int8") else None, error_feedback=comm_dtype == "int8ef")
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
                             accumulate_grad_batches=ACC, gradient_clip_val=1.0 if clip != "value" else 0.05,
                             gradient_clip_algorithm=clip or "norm", precision=precision, logger=False,
