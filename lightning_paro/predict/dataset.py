@@ -303,7 +303,9 @@ class ElasticCollate:
             return ElasticBatch(data=None, ticket=loaded.ticket, indices=[], ids=[], failures=failures,
                                 fetch_threads=threads)
         if isinstance(column, torch.Tensor) and column.ndim == 1:
-            ids = column.numpy()  # an array of numbers travels as one buffer, not a Python int per row
+            # an array of numbers travels as one buffer, not a Python int per row; a copy, never a view of the
+            # tensor: sending the batch moves the tensor's storage to shared memory and frees the memory it viewed
+            ids = column.numpy().copy()
         else:
             ids = column.tolist() if hasattr(column, "tolist") else [plain(v) for v in column]
         return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, ids=ids, failures=failures,

@@ -219,3 +219,45 @@ def test_a_custom_collate_fn_gets_row_dicts(tmp_path):
     run(tmp_path / "out", CountingParquet(str(tmp_path / "in")), collate_fn=collate)
     assert CALLS["read_batch"] == 0 and set(seen) == {"dict"}
     assert read_predictions(tmp_path / "out").num_rows == sum(sum(g) for g in LAYOUT.values())
+
+
+def test_the_ids_of_a_column_batch_are_its_own_whatever_becomes_of_its_tensors(tmp_path):
+    # a DataLoader worker sends the batch by moving its tensors' storage to shared memory, which frees the memory
+    # the tensors had: ids read from that memory afterwards would be whatever was written there next
+    write_inputs(tmp_path)
+    source = ParquetSource(str(tmp_path), key="k")
+    layout = source_layout(source)
+    loaded = SourceDataset(source, layout, batched=True).__getitems__(BatchTicket(0, 0, 20, range(20), False, 1))
+    batch = ElasticCollate(None, source.id_column)(loaded)
+    expected = batch.data["k"].tolist()
+    batch.data["k"].fill_(-1)
+    batch.data["k"].share_memory_()
+    assert list(batch.ids) == expected and -1 not in expected
+
+
+class Double(L.LightningModule):
+    def predict_step(self, batch, batch_idx):
+        return {"y": batch["x"] * 2}
+
+
+@pytest.mark.timeout(300)
+def test_ids_written_through_dataloader_workers_are_each_rows_own(tmp_path):
+    import numpy as np
+
+    from lightning_paro.predict import ElasticPredict
+
+    keys = np.random.default_rng(0).permutation(40_000).astype(np.int64) + 10_000_000_000
+    xs = np.arange(40_000, dtype=np.float32)
+    (tmp_path / "in").mkdir()
+    for f in range(4):
+        part = slice(f * 10_000, (f + 1) * 10_000)
+        pq.write_table(pa.table({"k": keys[part], "x": xs[part]}), tmp_path / "in" / f"p{f}.parquet",
+                       row_group_size=3_000)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[ElasticPredict(str(tmp_path / "out"))])
+    loader = DataLoader(ParquetSource(str(tmp_path / "in"), key="k"), batch_size=512, num_workers=2)
+    trainer.predict(Double(), dataloaders=loader)
+    table = read_predictions(tmp_path / "out")
+    assert table.column("k").to_pylist() == keys.tolist()
+    assert table.column("y").to_pylist() == (2 * xs).tolist()
