@@ -66,9 +66,25 @@ class ElasticBatch:
     """Rows that raised while loading."""
     fetch_threads: int = 0
     """Threads that read this batch's rows in the DataLoader worker (0: not read by a fetch pool)."""
+    by_value: bool = False
+    """Send ``data``'s small CPU tensors by value when pickled (set on column batches, see ``__getstate__``)."""
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def __getstate__(self) -> dict:
+        # A DataLoader worker passes each tensor of a batch through shared memory, with a file-descriptor handshake
+        # per tensor that the receiving process waits for; a column batch holds one tensor per column. Sent by value,
+        # its columns cost a copy of their bytes instead (up to BY_VALUE_BYTES each; larger ones keep shared memory).
+        state = dict(self.__dict__)
+        if self.by_value and self.data is not None:
+            state["data"] = _map_tensors(self.data, _tensor_to_array)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if state.get("by_value") and state.get("data") is not None:
+            state["data"] = _map_tensors(state["data"], _array_to_tensor)
+        self.__dict__.update(state)
 
     def to(self, device: Any, **kwargs: Any) -> "ElasticBatch":
         """This batch with ``data`` moved to ``device`` (Lightning's batch transfer calls it)."""
@@ -77,6 +93,34 @@ class ElasticBatch:
         if self.data is None:
             return self
         return dataclasses.replace(self, data=move_data_to_device(self.data, device))
+
+
+BY_VALUE_BYTES = 1 << 20
+"""The largest tensor of a column batch sent by value rather than through shared memory."""
+
+
+class _ArrayOfTensor(NamedTuple):
+    """A tensor's values while they travel by value."""
+
+    array: np.ndarray
+
+
+def _tensor_to_array(value: Any) -> Any:
+    if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.requires_grad
+            and value.dtype != torch.bfloat16 and value.numel() * value.element_size() <= BY_VALUE_BYTES):
+        return _ArrayOfTensor(value.numpy())
+    return value
+
+
+def _array_to_tensor(value: Any) -> Any:
+    return torch.from_numpy(value.array) if isinstance(value, _ArrayOfTensor) else value
+
+
+def _map_tensors(data: Any, fn) -> Any:
+    """``data`` (a column batch: a dict of columns, or one value) with ``fn`` applied to each column."""
+    if isinstance(data, dict):
+        return type(data)((k, fn(v)) for k, v in data.items())
+    return fn(data)
 
 
 def index_array(indices: Sequence[int]) -> np.ndarray:

@@ -294,7 +294,7 @@ class ElasticCollate:
         threads = loaded.fetch_threads
         if self.id_column is None:
             return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, failures=failures,
-                                fetch_threads=threads)
+                                fetch_threads=threads, by_value=True)
         try:
             column = batch[self.id_column]
         except (KeyError, TypeError, IndexError) as exc:  # as on the per-row path: every row lacks its id
@@ -309,4 +309,4 @@ class ElasticCollate:
         else:
             ids = column.tolist() if hasattr(column, "tolist") else [plain(v) for v in column]
         return ElasticBatch(data=batch, ticket=loaded.ticket, indices=indices, ids=ids, failures=failures,
-                            fetch_threads=threads)
+                            fetch_threads=threads, by_value=True)

@@ -261,3 +261,27 @@ def test_ids_written_through_dataloader_workers_are_each_rows_own(tmp_path):
     table = read_predictions(tmp_path / "out")
     assert table.column("k").to_pylist() == keys.tolist()
     assert table.column("y").to_pylist() == (2 * xs).tolist()
+
+
+def test_a_column_batch_crosses_processes_by_value_and_arrives_as_the_same_tensors(tmp_path):
+    import pickle
+
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers how tensors are sent between processes)
+
+    write_inputs(tmp_path)
+    source = ParquetSource(str(tmp_path), key="k")
+    layout = source_layout(source)
+    loaded = SourceDataset(source, layout, batched=True).__getitems__(BatchTicket(0, 0, 60, range(60), False, 1))
+    batch = ElasticCollate(None, source.id_column)(loaded)
+    sent = bytes(ForkingPickler.dumps(batch))  # what a DataLoader worker sends
+    # no tensor went through shared memory: the bytes hold the values (60 rows of 8-byte columns and more)
+    assert b"rebuild_storage" not in sent and len(sent) > 60 * 8 * 4
+    got = pickle.loads(sent)
+    assert list(got.data) == list(batch.data) and list(got.indices) == list(range(60))
+    for key, value in batch.data.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got.data[key], value) and got.data[key].dtype == value.dtype, key
+        else:
+            assert got.data[key] == value, key
