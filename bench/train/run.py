@@ -65,7 +65,8 @@ MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64",
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
 
 
-def run_one(system: str, s: Setting, out: Path) -> dict:
+def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes)."""
     strategy = [f"strategy={system}"] if system != "paro" else ["strategy=paro", "strategy.sharding=auto"]
     if system.startswith("paro"):
         strategy.append(f"strategy.group_size={s.per_node}")
@@ -75,7 +76,7 @@ def run_one(system: str, s: Setting, out: Path) -> dict:
            "-m", "lightning_paro", "bench", *strategy, "trainer.accelerator=cpu", f"trainer.devices={s.per_node}",
            f"trainer.num_nodes={s.nodes}", f"trainer.accumulate_grad_batches={s.accumulation}",
            "trainer.enable_progress_bar=false", "bench.warmup_steps=1", f"bench.steps={s.timed_steps}",
-           f"run.dir={out}", *MODEL, *peft]
+           f"run.dir={out}", *MODEL, *peft, *extra]
     report = out / "bench.json"
     report.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
     started = time.perf_counter()
