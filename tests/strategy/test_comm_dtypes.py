@@ -19,6 +19,7 @@ import statistics
 import pytest
 import torch
 from launch import launch
+from traffic import bytes_by_scope
 
 from lightning_paro.strategy.levels import ShardingSpec
 from lightning_paro.strategy.transitions import CommDtypes
@@ -43,14 +44,6 @@ def runs(tmp_path_factory):
     return load
 
 
-def _bytes(step: dict) -> dict:
-    sent = {"intra": 0, "inter": 0}
-    for op, scope, b in step["by_op"]:
-        if op != "control":
-            sent[scope] += b
-    return sent
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("run", [BF16_RUN, INT8_RUN, INT8_EF_RUN])
 def test_final_loss_within_the_resolution_of_the_fp32_run(runs, run):
@@ -73,8 +66,8 @@ def test_int8_between_groups_sends_a_quarter_there_and_the_same_inside(runs, run
         assert [f["error_feedback"] for f in int8[r]["flats"]] == [
             run == INT8_EF_RUN and f["trainable"] for f in int8[r]["flats"]]
         for a, b in zip(int8[r]["traffic"], exact[r]["traffic"]):
-            assert _bytes(a)["intra"] == _bytes(b)["intra"]
-            assert 0.25 * _bytes(b)["inter"] < _bytes(a)["inter"] < 0.26 * _bytes(b)["inter"]
+            assert bytes_by_scope(a)["intra"] == bytes_by_scope(b)["intra"]
+            assert 0.25 * bytes_by_scope(b)["inter"] < bytes_by_scope(a)["inter"] < 0.26 * bytes_by_scope(b)["inter"]
         for k, v in weights[r].items():
             assert torch.equal(v, weights[0][k]), (r, k)
 
@@ -94,8 +87,8 @@ def test_bf16_halves_every_byte_and_hands_back_exact_identical_weights(runs):
             want["intra"] += t.intra
             want["inter"] += t.inter
         for a, b in zip(bf16[r]["traffic"], exact[r]["traffic"]):
-            assert _bytes(a) == want
-            assert _bytes(a) == {k: v / 2 for k, v in _bytes(b).items()}
+            assert bytes_by_scope(a) == want
+            assert bytes_by_scope(a) == {k: v / 2 for k, v in bytes_by_scope(b).items()}
         # after fit every rank holds the same weights, and they are the fp32 masters, not bf16-rounded copies
         for k, v in weights[r].items():
             assert torch.equal(v, weights[0][k]), (r, k)

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from launch import launch
+from traffic import bytes_by_scope
 
 from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
 from lightning_paro.strategy.transitions import EXACT, CommDtypes
@@ -97,16 +98,7 @@ def test_traffic_per_step_matches_formulas(runs, name):
         intra, inter = _expected_traffic(spec, probe["flats"])
         assert len(probe["traffic"]) == STEPS
         for step in probe["traffic"]:
-            assert _measured_bytes(step) == {"intra": intra, "inter": inter}, f"rank {r}"
-
-
-def _measured_bytes(step: dict) -> dict[str, int]:
-    """Bytes a rank sent in one optimizer step by scope, the control all-reduce left out (it is not in the formulas)."""
-    measured = {"intra": 0, "inter": 0}
-    for op, scope, b in step["by_op"]:
-        if op != "control":
-            measured[scope] += b
-    return measured
+            assert bytes_by_scope(step) == {"intra": intra, "inter": inter}, f"rank {r}"
 
 
 @pytest.mark.timeout(600)
@@ -131,7 +123,7 @@ def test_communication_dtypes_send_the_formulas_bytes_and_track_fp32(runs, run):
         else:
             assert intra == exact[0] and 0.25 * exact[1] < inter <= 0.27 * exact[1]
         for step in probe["traffic"]:
-            assert _measured_bytes(step) == {"intra": intra, "inter": inter}, f"rank {r}"
+            assert bytes_by_scope(step) == {"intra": intra, "inter": inter}, f"rank {r}"
         for a, b in zip(got[r]["losses"], fp32[r]["losses"]):
             assert abs(a - b) <= 0.02 * abs(b)
     assert got[0]["losses"] != fp32[0]["losses"]
