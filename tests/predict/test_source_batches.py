@@ -221,14 +221,19 @@ def test_a_custom_collate_fn_gets_row_dicts(tmp_path):
     assert read_predictions(tmp_path / "out").num_rows == sum(sum(g) for g in LAYOUT.values())
 
 
+def _column_batch(tmp_path, rows: int):
+    """The first ``rows`` rows of the test's Parquet inputs as the column batch a DataLoader worker builds."""
+    write_inputs(tmp_path)
+    source = ParquetSource(str(tmp_path), key="k")
+    ticket = BatchTicket(0, 0, rows, range(rows), False, 1)
+    loaded = SourceDataset(source, source_layout(source), batched=True).__getitems__(ticket)
+    return ElasticCollate(None, source.id_column)(loaded)
+
+
 def test_the_ids_of_a_column_batch_are_its_own_whatever_becomes_of_its_tensors(tmp_path):
     # a DataLoader worker sends the batch by moving its tensors' storage to shared memory, which frees the memory
     # the tensors had: ids read from that memory afterwards would be whatever was written there next
-    write_inputs(tmp_path)
-    source = ParquetSource(str(tmp_path), key="k")
-    layout = source_layout(source)
-    loaded = SourceDataset(source, layout, batched=True).__getitems__(BatchTicket(0, 0, 20, range(20), False, 1))
-    batch = ElasticCollate(None, source.id_column)(loaded)
+    batch = _column_batch(tmp_path, 20)
     expected = batch.data["k"].tolist()
     batch.data["k"].fill_(-1)
     batch.data["k"].share_memory_()
@@ -270,11 +275,7 @@ def test_a_column_batch_crosses_processes_by_value_and_arrives_as_the_same_tenso
 
     import torch.multiprocessing  # noqa: F401  (registers how tensors are sent between processes)
 
-    write_inputs(tmp_path)
-    source = ParquetSource(str(tmp_path), key="k")
-    layout = source_layout(source)
-    loaded = SourceDataset(source, layout, batched=True).__getitems__(BatchTicket(0, 0, 60, range(60), False, 1))
-    batch = ElasticCollate(None, source.id_column)(loaded)
+    batch = _column_batch(tmp_path, 60)
     sent = bytes(ForkingPickler.dumps(batch))  # what a DataLoader worker sends
     # no tensor went through shared memory: the bytes hold the values (60 rows of 8-byte columns and more)
     assert b"rebuild_storage" not in sent and len(sent) > 60 * 8 * 4
