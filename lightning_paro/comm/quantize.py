@@ -39,6 +39,11 @@ def payload_bytes(numel: int) -> int:
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """``x`` (any floating dtype) as a uint8 payload of :func:`payload_bytes` bytes."""
+    return _quantize(x)[0]
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payload of ``x`` and the fp32 values it stands for (what :func:`dequantize` gives back)."""
     n = x.numel()
     blocks = math.ceil(n / BLOCK)
     padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
@@ -49,7 +54,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(payload_bytes(n), dtype=torch.uint8, device=x.device)
     out[:4 * blocks].view(torch.float32).copy_(scale)
     out[4 * blocks:].view(torch.int8).copy_(q.view(-1)[:n])
-    return out
+    return out, (q * scale.unsqueeze(1)).view(-1)[:n]
 
 
 def dequantize(payload: torch.Tensor, numel: int) -> torch.Tensor:
@@ -65,8 +70,8 @@ def quantize_with_feedback(x: torch.Tensor, error: torch.Tensor) -> torch.Tensor
     """The payload of ``x`` plus the ``error`` left by earlier sends (fp32, ``x``'s size), and ``error`` replaced by
     what this payload leaves out."""
     target = x.to(torch.float32) + error
-    payload = quantize(target)
-    torch.sub(target, dequantize(payload, x.numel()), out=error)
+    payload, sent = _quantize(target)
+    torch.sub(target, sent, out=error)
     return payload
 
 
@@ -90,7 +95,9 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, ind
     s = out.numel()
     if error is not None and error.numel() != full.numel():
         raise ValueError(f"the error feedback buffer holds {error.numel()} elements, the reduced one {full.numel()}")
-    send = torch.cat([quantize(full[r * s:(r + 1) * s]) if error is None or r == index else
+    # this rank's own slot travels empty: its slice is added exact, not from what comes back
+    send = torch.cat([torch.empty(payload_bytes(s), dtype=torch.uint8, device=full.device) if r == index else
+                      quantize(full[r * s:(r + 1) * s]) if error is None else
                       quantize_with_feedback(full[r * s:(r + 1) * s], error[r * s:(r + 1) * s])
                       for r in range(ranks)])
     recv = torch.empty_like(send)

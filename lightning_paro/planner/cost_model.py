@@ -49,6 +49,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from lightning_paro.planner.inputs import Cluster, Compute, Workload
 from lightning_paro.planner.phases import (
     gather_phases,
@@ -59,7 +61,7 @@ from lightning_paro.planner.phases import (
     seconds_and_processor_seconds,
 )
 from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
-from lightning_paro.strategy.transitions import dtype_bytes, grads_to_optim, optim_to_params, reduce_grads
+from lightning_paro.strategy.transitions import keeps_error_feedback, param_sync_rounds
 from lightning_paro.strategy.volumes import Traffic, model_state_bytes, step_traffic
 
 
@@ -287,9 +289,7 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
                                param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
                                optim_bytes=optim_bytes)
     grads = states["grads"]
-    comm = workload.comm
-    gradient_syncs = (*reduce_grads(spec.grads, comm), *grads_to_optim(spec.grads, spec.optim, comm))
-    if comm.error_feedback and cluster.num_groups > 1 and any(c.quant for c in gradient_syncs):
+    if keeps_error_feedback(spec, workload.comm, cluster.num_groups):
         grads += 4 * workload.num_trainable / m  # the error feedback of the 1/m block that crosses groups
     split = _split(workload)
     in_flight = min(workload.num_units, 1 + max(0, prefetch))
@@ -308,8 +308,8 @@ def rounds_param_sync(spec: ShardingSpec, workload: Workload) -> bool:
     in, or quantized; not counted again when ``optim_bytes`` holds a master already (16-bit parameters)."""
     if workload.param_bytes < 4:
         return False
-    return any(c.quant is not None or (c.dtype is not None and dtype_bytes(c.dtype) < workload.param_bytes)
-               for c in optim_to_params(spec.optim, spec.params, workload.comm))
+    stored = torch.float64 if workload.param_bytes >= 8 else torch.float32
+    return param_sync_rounds(spec, workload.comm, stored)
 
 
 def traffic(spec: ShardingSpec, workload: Workload, cluster: Cluster) -> Traffic:

@@ -169,9 +169,7 @@ class FlatGroup:
         else:
             self.g_shard = torch.zeros(self.layout.shard_numel(spec.grads), dtype=self.dtype, device=self.device)
             free_storage(self.g_shard)  # allocated at the step's first reduction, freed after the optimizer step
-        quantized = [c for c in (*transitions.reduce_grads(spec.grads, self.comm_dtypes),
-                                 *transitions.grads_to_optim(spec.grads, spec.optim, self.comm_dtypes)) if c.quant]
-        if quantized and self.comm_dtypes.error_feedback and self.comm.topology.num_groups > 1:
+        if transitions.keeps_error_feedback(spec, self.comm_dtypes, self.comm.topology.num_groups):
             # one gradient collective crosses groups at most; its hop reduces a 1/m block of the buffer
             self.quant_error = torch.zeros(L // self.comm.topology.group_size, dtype=torch.float32,
                                            device=self.device)
@@ -198,8 +196,7 @@ class FlatGroup:
     def rounds_param_sync(self) -> bool:
         """Whether the OS -> P sync rounds what it writes (parameters travel in fewer bits than they are stored in,
         or quantized): the optimizer's master copy must then be kept apart from the P-level storage."""
-        sync = transitions.optim_to_params(self.spec.optim, self.spec.params, self.comm_dtypes)
-        return any(rounds(c, self.dtype) for c in sync)
+        return transitions.param_sync_rounds(self.spec, self.comm_dtypes, self.dtype)
 
     @property
     def own_param_slot(self) -> torch.Tensor:

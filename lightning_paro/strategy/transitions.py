@@ -112,6 +112,19 @@ def rounds(c: Collective, buffer_dtype: torch.dtype) -> bool:
     return c.quant is not None or lossy(c.wire_dtype(buffer_dtype), buffer_dtype)
 
 
+def param_sync_rounds(spec: ShardingSpec, comm: CommDtypes, dtype: torch.dtype) -> bool:
+    """Whether the OS -> P sync of parameters stored in ``dtype`` rounds what it writes (they travel in fewer bits,
+    or quantized): the optimizer's master copy must then be kept apart from the P-level storage."""
+    return any(rounds(c, dtype) for c in optim_to_params(spec.optim, spec.params, comm))
+
+
+def keeps_error_feedback(spec: ShardingSpec, comm: CommDtypes, num_groups: int) -> bool:
+    """Whether a trainable buffer keeps an error-feedback buffer: asked for, and a gradient sync quantizes a hop
+    between groups (there are several)."""
+    syncs = (*reduce_grads(spec.grads, comm), *grads_to_optim(spec.grads, spec.optim, comm))
+    return comm.error_feedback and num_groups > 1 and any(c.quant for c in syncs)
+
+
 def lossy(wire: torch.dtype, buffer_dtype: torch.dtype) -> bool:
     """Whether a buffer of ``buffer_dtype`` sent as ``wire`` may arrive changed (rounded to fewer bits)."""
     if wire == buffer_dtype:
