@@ -102,7 +102,7 @@ def concat_outputs(parts: list) -> Any:
 def next_stage_batch(batch: ElasticBatch, outcome: StepOutcome, stage: str) -> ElasticBatch:
     """The rows that passed a stage, with their outputs as the next stage's input."""
     if len(outcome.chunks) == 1:
-        positions = outcome.chunks[0][0]  # every row passed: a range over the whole batch
+        positions = outcome.chunks[0][0]  # one chunk: its positions, a range when every row passed
     else:
         positions = [p for chunk_positions, _ in outcome.chunks for p in chunk_positions]
     data = concat_outputs([prediction for _, prediction in outcome.chunks]) if outcome.chunks else None
@@ -111,17 +111,10 @@ def next_stage_batch(batch: ElasticBatch, outcome: StepOutcome, stage: str) -> E
     return ElasticBatch(
         data=data,
         ticket=batch.ticket,
-        indices=_take_indices(batch.indices, positions),
+        indices=take(batch.indices, positions),
         ids=take(batch.ids, positions) if batch.ids is not None else None,
         failures=failures,
     )
-
-
-def _take_indices(indices, positions):
-    """The dataset indices at ``positions``, still a range when they are all of them."""
-    if isinstance(positions, range) and positions == range(len(indices)):
-        return indices
-    return [int(indices[p]) for p in positions]
 
 
 def _pack(item: Any) -> bytes:

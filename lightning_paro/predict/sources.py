@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_paro.predict.batch import BatchTicket, RowFailure
-from lightning_paro.predict.dataset import FetchPool, LoadedRows
+from lightning_paro.predict.dataset import FetchPool, LoadedRows, compact_indices
 
 
 @dataclass(frozen=True)
@@ -307,6 +307,5 @@ class SourceDataset(FetchPool, Dataset):
             if batch is not None:
                 return LoadedRows(ticket, [], range(start, stop), [], batch=batch, fetch_threads=threads)
         samples, failures, threads = self._read(start, stop)
-        indices = [i for i, _ in samples]
-        indices = range(start, stop) if len(indices) == stop - start else indices
+        indices = compact_indices([i for i, _ in samples], ticket)
         return LoadedRows(ticket, [s for _, s in samples], indices, failures, fetch_threads=threads)
