@@ -85,7 +85,9 @@ class CommHandle:
 
     def wait(self) -> None:
         if not self._future.done():
+            started = time.perf_counter()
             self._worker.wait_for(self._future)
+            self._worker.waited_seconds += time.perf_counter() - started
         self._future.result()
 
 
@@ -117,6 +119,9 @@ class _Worker:
         self._running: tuple[str, str] | None = None
         self._started_at = 0.0
         self._progress_sources: list = []
+        self.waited_seconds = 0.0
+        """Seconds callers have spent blocked in :meth:`CommHandle.wait` (the compute thread's exposed communication:
+        ``sharding="auto"`` takes it out of a micro-step's wall time)."""
         self._thread = threading.Thread(target=self._run, name="paro-comm", daemon=True)
         self._thread.start()
 
@@ -274,6 +279,11 @@ class Communicator:
     def thread(self) -> threading.Thread:
         """The thread every collective of this communicator is issued from."""
         return self._worker.thread
+
+    @property
+    def waited_seconds(self) -> float:
+        """Seconds this process has spent waiting for collectives of this layout to finish, so far."""
+        return self._worker.waited_seconds
 
     # ------------------------------------------------------------------ public collectives
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: Scope, async_op: bool = False,
