@@ -55,6 +55,10 @@ class Plan:
     """The model and training set-up the plan is for."""
     cluster: Cluster
     """The ranks, links and memory the plan is for."""
+    compute: Compute = Compute()
+    """The compute time and update bandwidth the plan is for."""
+    notes: tuple[str, ...] = ()
+    """Where each figure came from (measured, given, or left out), in the order they were taken."""
 
     def candidate(self, strategy: str) -> Candidate:
         """The row of ``strategy``."""
@@ -116,4 +120,4 @@ def plan(workload: Workload, cluster: Cluster, compute: Compute, memory_budget: 
             reason += (f"; the fastest overall, {fastest.strategy} at {fastest.step_seconds:.4g} s, needs"
                        f" {format_bytes(fastest.memory.total)} of the {format_bytes(budget)} budget")
         reason += ")."
-    return Plan(tuple(rows), choice.strategy if choice else None, budget, reason, workload, cluster)
+    return Plan(tuple(rows), choice.strategy if choice else None, budget, reason, workload, cluster, compute)

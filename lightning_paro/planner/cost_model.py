@@ -299,7 +299,7 @@ def memory(spec: ShardingSpec, workload: Workload, cluster: Cluster, prefetch: i
     if spec.grads != Level.N:
         transient += split.root_trainable + min(workload.num_units, 2) * split.unit_trainable
     return Memory(params=states["params"], grads=grads, optim=states["optim"], transient=transient,
-                  activations=workload.activation_bytes_per_token * workload.tokens_per_micro_batch)
+                  activations=workload.micro_batch_activation_bytes)
 
 
 def rounds_param_sync(spec: ShardingSpec, workload: Workload) -> bool:

@@ -116,6 +116,9 @@ class Workload:
     """K: optimizer-state bytes per trainable parameter (Adam: 8, plus 4 for a separate fp32 master)."""
     activation_bytes_per_token: float = 0.0
     """Activation memory per token of the micro-batch on one rank (0: not counted; leave headroom instead)."""
+    activation_bytes: float | None = None
+    """Activation memory of one micro-batch on one rank, measured in the job; None: ``activation_bytes_per_token``
+    times ``tokens_per_micro_batch``."""
     backward_units: int | None = None
     """Units the backward pass runs through (from the first one holding a trainable parameter to the last); the
     frozen units before them are neither gathered again nor computed in backward. None: all of them."""
@@ -143,11 +146,20 @@ class Workload:
             )
         if self.tokens_per_micro_batch < 0 or self.activation_bytes_per_token < 0:
             raise ValueError("tokens_per_micro_batch and activation_bytes_per_token must be >= 0.")
+        if self.activation_bytes is not None and not self.activation_bytes >= 0:
+            raise ValueError(f"activation_bytes must be >= 0 or None, got {self.activation_bytes!r}.")
 
     @property
     def trainable_fraction(self) -> float:
         """Psi' / Psi."""
         return self.num_trainable / self.num_params
+
+    @property
+    def micro_batch_activation_bytes(self) -> float:
+        """Activation memory of one micro-batch on one rank: measured, else per token times tokens."""
+        if self.activation_bytes is not None:
+            return self.activation_bytes
+        return self.activation_bytes_per_token * self.tokens_per_micro_batch
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""``sharding="auto"`` for a running job: its options (:class:`AutoConfig`) and :func:`plan_for_job`, which every
-rank calls at start-up.
+"""``sharding="auto"`` for a running job: its options (:class:`AutoConfig`), :func:`plan_for_job`, which every rank
+calls at start-up, and :class:`JobReplanner`, which measures the first optimizer steps and plans again.
 
-It measures what the options leave open (the links with ``probe.py``, the memory with ``memory.py``), describes the
-model (``workload.py``) and plans (``choose.py``). Every measurement is reduced over the ranks (slowest link,
-smallest memory), so every rank computes the same plan.
+At start-up it measures what the options leave open (the links with ``probe.py``, the memory with ``memory.py``, the
+optimizer update with ``measure.py``), describes the model (``workload.py``) and plans (``choose.py``); after the
+first steps it plans again with their measured compute time and activation memory (``replan.py``). Every
+measurement is reduced over the ranks (slowest link, smallest memory, ...), so every rank computes the same plan.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from typing import Iterable
 from lightning_paro.planner.choose import DEFAULT_MEMORY_BUDGET, Plan, plan
 from lightning_paro.planner.cost_model import fastest_chunk_bytes
 from lightning_paro.planner.inputs import Cluster, Compute, Link
+from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth
 from lightning_paro.planner.memory import agreed_minimum, device_memory_bytes
 from lightning_paro.planner.probe import probe_links
+from lightning_paro.planner.replan import Decision, decide, replan
+from lightning_paro.planner.report import describe_links, format_bytes
 from lightning_paro.planner.workload import workload_from_module
+from lightning_paro.strategy.levels import VALID_STRATEGIES
 from lightning_paro.strategy.options import OptionError, is_count
 from lightning_paro.strategy.transitions import EXACT, CommDtypes
 
@@ -43,14 +48,24 @@ class AutoConfig:
     """Micro-batch size times sequence length (for the compute estimate, activations and tokens/s)."""
     activation_bytes_per_token: float = 0.0
     """Activation memory per token per rank, counted against the budget (0: rely on the budget's headroom)."""
-    memory_bandwidth: float = 1e12
-    """Device memory bytes/s for the optimizer update."""
+    memory_bandwidth: float | None = None
+    """Bytes/s of the optimizer update in the cost model's terms; None: time the job's optimizer class at start-up."""
     probe_bytes: int = 4 * 2**20
     """Buffer size of the bandwidth probe's large all-gathers."""
     reduce_scatter_factor: float | None = None
     """Reduce-scatter time over all-gather time; None: measured by the probe when it runs, else 1."""
     hierarchical_factor: float | None = None
     """HO-Ring phase time over the backend's collective on the same link; None: measured by the probe, else 1."""
+    replan_after_steps: int = 4
+    """Optimizer steps of ``fit`` after which to plan again with the measured compute time and activation memory
+    (the first step is not measured) and switch strategy in place if worth it; 0: plan once, at start-up."""
+    replan_margin: float = 0.1
+    """A re-plan switches to a strategy predicted at least this much faster (0.1: 10%), or when the one in use no
+    longer fits."""
+    first_plan: str | None = None
+    """Start with this strategy (e.g. "NNN") instead of the start-up plan's choice; the re-plan then judges it."""
+    strategies: tuple[str, ...] | None = None
+    """The strategies to choose among; None: all 14."""
 
     def __post_init__(self) -> None:
         budget = self.memory_budget
@@ -71,11 +86,30 @@ class AutoConfig:
         for name in ("tokens_per_micro_batch", "activation_bytes_per_token"):
             if not getattr(self, name) >= 0:
                 raise OptionError(name, f"{name} must be 0 or more, got {getattr(self, name)!r}.")
-        if not self.memory_bandwidth > 0:
-            raise OptionError("memory_bandwidth", f"memory_bandwidth must be positive bytes/s, got"
-                                                  f" {self.memory_bandwidth!r}.")
+        if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
+            raise OptionError("memory_bandwidth", f"memory_bandwidth must be positive bytes/s, or None to time the"
+                                                  f" optimizer at start-up; got {self.memory_bandwidth!r}.")
+        if not (is_count(self.replan_after_steps, 2) or self.replan_after_steps == 0):
+            raise OptionError("replan_after_steps", f"replan_after_steps must be 0 (plan once) or at least 2 (the"
+                                                    f" first step is not measured); got {self.replan_after_steps!r}.")
+        if isinstance(self.replan_margin, bool) or not self.replan_margin >= 0:
+            raise OptionError("replan_margin", f"replan_margin must be 0 or more (0.1: switch for a predicted 10%"
+                                               f" gain), got {self.replan_margin!r}.")
+        if self.strategies is not None:
+            object.__setattr__(self, "strategies", tuple(_strategy_name(s, "strategies") for s in self.strategies))
+            if not self.strategies:
+                raise OptionError("strategies", "strategies must name at least one strategy, or be None for all 14.")
+        if self.first_plan is not None:
+            object.__setattr__(self, "first_plan", _strategy_name(self.first_plan, "first_plan"))
         if not is_count(self.probe_bytes, 1):
             raise OptionError("probe_bytes", f"probe_bytes must be a positive number of bytes, got {self.probe_bytes!r}.")
+
+
+def _strategy_name(name, option: str) -> str:
+    if not isinstance(name, str) or name.upper() not in VALID_STRATEGIES:
+        raise OptionError(option, f"{option}: {name!r} is not a PaRO strategy; use one of"
+                                  f" {', '.join(VALID_STRATEGIES)}.")
+    return name.upper()
 
 
 def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: int, ranks_on_host: int,
@@ -96,29 +130,113 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
 
     device = torch.device(device)
     optimizers = list(optimizers)
+    notes: list[str] = []
     probe_chunk = chunk_bytes or HOR_EXACT_SCOPES.chunk_bytes
     links = None
     if config.intra is None or config.inter is None:
         links = probe_links(topology, device, large_bytes=config.probe_bytes, chunk_bytes=probe_chunk)
     intra = config.intra or links.intra
     inter = config.inter or links.inter
+    notes.append(f"links {'given' if links is None else 'measured by the start-up probe'}:"
+                 f" {describe_links(intra, inter)}")
     factor = config.reduce_scatter_factor or (links.reduce_scatter_factor if links else 1.0)
     ho_factor = config.hierarchical_factor or (links.hierarchical_factor if links else 1.0)
     memory = config.device_memory
+    reduce_on = device if device.type == "cuda" else None
     if memory is None:
-        reduce_on = device if device.type == "cuda" else None
         memory = agreed_minimum(device_memory_bytes(device, ranks_on_host), topology.groups.world, reduce_on)
+        notes.append(f"memory {format_bytes(memory)} per rank, read from the "
+                     f"{'device' if device.type == 'cuda' else 'host, shared by its ranks'} (smallest rank)")
+    else:
+        notes.append(f"memory {format_bytes(memory)} per rank, given")
     workload = workload_from_module(module, optimizers, units, accumulation, config.tokens_per_micro_batch,
                                     config.activation_bytes_per_token, comm)
     cluster = Cluster(topology.world_size, topology.group_size, intra, inter, memory, factor,
                       chunk_bytes=probe_chunk, hierarchical_factor=ho_factor)
     if chunk_bytes is None:  # the links are known now: size the chunk to them (the same on every rank)
         cluster = dataclasses.replace(cluster, chunk_bytes=fastest_chunk_bytes(workload, cluster))
+    bandwidth = config.memory_bandwidth
+    if bandwidth is None:
+        probe = probe_update_bandwidth(optimizers[0] if optimizers else None, workload, device)
+        bandwidth = agreed_minimum(probe.bandwidth, topology.groups.world, reduce_on)
+        notes.append(f"{probe.describe()} on this rank; planned with the slowest rank's"
+                     f" {bandwidth / 1e9:.3g} GB/s")
+    else:
+        notes.append(f"update {bandwidth / 1e9:.3g} GB/s, given")
     compute = Compute(config.micro_step_seconds, config.flops_per_second if config.tokens_per_micro_batch else None,
-                      config.memory_bandwidth)
-    result = plan(workload, cluster, compute, config.memory_budget, prefetch)
-    if config.micro_step_seconds is None and compute.flops_per_second is None:
-        result = dataclasses.replace(
-            result, reason=result.reason + " No compute time was given, so the ranking assumes no communication"
-            " hides behind compute (set micro_step_seconds, or flops_per_second with tokens_per_micro_batch).")
-    return result
+                      bandwidth)
+    if config.micro_step_seconds is not None:
+        notes.append(f"compute {config.micro_step_seconds * 1e3:.4g} ms per micro-step, given")
+    elif compute.flops_per_second is not None:
+        notes.append(f"compute from {compute.flops_per_second:.3g} FLOP/s given")
+    else:
+        notes.append("compute per micro-step not known yet: none assumed (no communication hidden behind it)"
+                     + (f" until the re-plan after {config.replan_after_steps} steps" if config.replan_after_steps
+                        else ""))
+    if workload.micro_batch_activation_bytes:
+        notes.append(f"activations {format_bytes(workload.micro_batch_activation_bytes)} per micro-batch, declared")
+    else:
+        notes.append("activations not known yet: left to the budget's headroom"
+                     + (" until the re-plan" if config.replan_after_steps else ""))
+    result = plan(workload, cluster, compute, config.memory_budget, prefetch,
+                  config.strategies or VALID_STRATEGIES)
+    return dataclasses.replace(result, notes=tuple(notes))
+
+
+class JobReplanner:
+    """``sharding="auto"`` during ``fit``: records the first optimizer steps, then plans again with what they measured
+    and decides whether to switch (every rank the same). The strategy calls :meth:`forward`, :meth:`end_backward` and
+    :meth:`end_step`; a switch it is told to make is its own to carry out.
+
+    Args:
+        config: the options (``replan_after_steps``, ``replan_margin``, ``strategies``, given figures).
+        start_plan: the plan made at start-up.
+        current: the strategy in use.
+        device: the compute device.
+        waited: seconds spent waiting for collectives so far (the communicator's counter).
+        traffic: bytes sent so far, ``(intra, inter)``.
+        excluded_storages: storages that hold parameters, not activations.
+        group: the process group of every rank (for :func:`~lightning_paro.planner.measure.agree`).
+        prefetch: the strategy's ``prefetch``.
+    """
+
+    def __init__(self, config: AutoConfig, start_plan: Plan, current: str, device, waited, traffic,
+                 excluded_storages, group=None, prefetch: int = 1) -> None:
+        import torch
+
+        self.config = config
+        self.plan = start_plan
+        self.current = current
+        self.decision: Decision | None = None
+        """The re-plan's decision, once made."""
+        self.figures: JobFigures | None = None
+        """What the measured steps gave (agreed over the ranks), once measured."""
+        self._group = group
+        self._prefetch = prefetch
+        self._device = torch.device(device)
+        self.recorder = StepRecorder(config.replan_after_steps - 1, self._device, waited, traffic, excluded_storages)
+
+    def forward(self):
+        """Context around a micro-step's forward."""
+        return self.recorder.forward()
+
+    def end_backward(self) -> None:
+        self.recorder.end_backward()
+
+    def end_step(self) -> Decision | None:
+        """After an optimizer step (collective once the measured steps are done): the decision of the re-plan the
+        step completes, else None."""
+        if self.decision is not None:
+            return None
+        self.recorder.end_step()
+        if not self.recorder.done:
+            return None
+        reduce_on = self._device if self._device.type == "cuda" else None
+        figures = agree(self.recorder.figures(), self._group, reduce_on)
+        self.plan = replan(self.plan, figures, self.config.memory_budget, self._prefetch, self.config.strategies,
+                           given_compute=self.config.micro_step_seconds is not None
+                           or self.config.flops_per_second is not None,
+                           given_activations=self.plan.workload.micro_batch_activation_bytes > 0)
+        self.decision = decide(self.plan, self.current, figures, self.config.replan_margin)
+        self.figures = figures
+        return self.decision

@@ -48,7 +48,11 @@ def format_plan(result: Plan, markdown: bool = False) -> str:
     header = (f"Psi {w.num_params:.4g} (trainable {w.num_trainable:.4g}){comm}, A={w.accumulation}, {w.num_units}"
               f" units, {describe_cluster(c)}; budget {format_bytes(result.budget_bytes)} of"
               f" {format_bytes(c.device_memory)} per rank")
-    return header + "\n\n" + "\n".join(lines) + f"\n\nchoice: {result.choice or 'none'}. {result.reason}"
+    figures = "".join(f"\n- {note}" for note in result.notes)
+    if figures:
+        figures = "\nfigures:" + figures
+    return (header + figures + "\n\n" + "\n".join(lines)
+            + f"\n\nchoice: {result.choice or 'none'}. {result.reason}")
 
 
 def describe_links(intra: Link, inter: Link) -> str:

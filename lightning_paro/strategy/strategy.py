@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -43,6 +44,8 @@ from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator, comm
 from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
 from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memory_bytes, format_plan, plan_for_job
+from lightning_paro.planner.job import JobReplanner
+from lightning_paro.planner.replan import Switch
 from lightning_paro.strategy import checkpoint as ckpt
 from lightning_paro.strategy.engine import Mode, PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
@@ -50,6 +53,7 @@ from lightning_paro.strategy.manual import ManualSteps, check_one_optimizer
 from lightning_paro.strategy.options import GatherConfig, GatherMode, PaROOptions
 from lightning_paro.strategy.precision import to_paro_precision
 from lightning_paro.strategy.read_guard import drop_sharded_read_guard, guard_sharded_reads
+from lightning_paro.strategy.reshard import reshard
 from lightning_paro.strategy.report import StepTraffic, format_summary
 from lightning_paro.strategy.units import UnitPolicy
 
@@ -123,7 +127,11 @@ class PaROStrategy(ParallelStrategy):
         """The strategy in use (chosen at set-up when ``sharding="auto"``)."""
         self._auto_config = self.options.auto_config
         self.auto_plan: Optional[Plan] = None
-        """With ``sharding="auto"``: the candidate table and the choice."""
+        """With ``sharding="auto"``: the candidate table, the choice and every figure it used (the latest plan: the
+        re-plan's once made)."""
+        self.auto_switches: list[Switch] = []
+        """With ``sharding="auto"``: the strategy switches made in place during fit (step, strategies, reason, cost)."""
+        self._replanner: Optional[JobReplanner] = None
         self.gather = self.options.gather_config
         self._group_size = group_size
         self._chunk_bytes = chunk_bytes
@@ -265,6 +273,7 @@ class PaROStrategy(ParallelStrategy):
         assert self.engine is not None
         self._manual = ManualSteps(self.engine) if fitting and not self.lightning_module.automatic_optimization \
             else None
+        self._replanner = self._start_replanner() if fitting else None
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -279,11 +288,56 @@ class PaROStrategy(ParallelStrategy):
                               ranks_on_host=self.num_processes, units=self._units, prefetch=self._prefetch,
                               config=self._auto_config, chunk_bytes=self._chunk_bytes,
                               comm=self.options.comm_dtypes)
-        if result.choice is None:
+        first = self._auto_config.first_plan
+        if result.choice is None and first is None:
             raise RuntimeError(f"sharding='auto' found no strategy that fits: {result.reason}")
-        self.sharding = ShardingSpec.parse(self.broadcast(result.choice))
+        self.sharding = ShardingSpec.parse(self.broadcast(first or result.choice))
         self.auto_plan = result
-        rank_zero_info(f"PaRO sharding='auto' chose {self.sharding.name}\n{format_plan(result)}")
+        forced = f" (AutoConfig.first_plan; the plan's choice: {result.choice})" if first else ""
+        rank_zero_info(f"PaRO sharding='auto' chose {self.sharding.name}{forced}\n{format_plan(result)}")
+
+    def _start_replanner(self) -> Optional[JobReplanner]:
+        """``sharding="auto"`` in fit: measure the first optimizer steps and plan again (off with
+        ``AutoConfig(replan_after_steps=0)``, and under manual optimization, whose steps the strategy does not see)."""
+        config = self._auto_config
+        if not self._auto or self.auto_plan is None or not config.replan_after_steps or self._manual is not None:
+            return None
+        assert self.engine is not None and self._comm is not None and self.sharding is not None
+        comm, module = self._comm, self.lightning_module
+        return JobReplanner(
+            config, self.auto_plan, self.sharding.name, self.root_device, waited=lambda: comm.waited_seconds,
+            traffic=lambda: _sent(self.meter), prefetch=self._prefetch, group=self.topology.groups.world,
+            excluded_storages=lambda: {p.untyped_storage().data_ptr() for p in module.parameters()})
+
+    def _replan_after_step(self) -> None:
+        """After an optimizer step: feed the re-planner, and switch strategy in place when its decision says so."""
+        if self._replanner is None:
+            return
+        decision = self._replanner.end_step()
+        if decision is None:
+            return
+        planner, step = self._replanner, self.lightning_module.trainer.global_step + 1  # this step is not counted yet
+        self.auto_plan = planner.plan
+        measured = (f"measured {planner.figures.step_seconds:.4g} s per optimizer step under {self.sharding.name},"
+                    f" {decision.measured_over_predicted:.2f}x the re-plan's prediction for it")
+        rank_zero_info(f"PaRO sharding='auto' re-planned after {step} steps: {measured}."
+                       f" {decision.reason}\n{format_plan(planner.plan)}")
+        if decision.switch_to is not None:
+            self._switch_strategy(decision.switch_to, decision.reason, step)
+        self._replanner = None
+
+    def _switch_strategy(self, name: str, reason: str, step: int) -> None:
+        """Reshard the model and optimizer states in memory to the levels of ``name`` (collective)."""
+        assert self.engine is not None and self.sharding is not None
+        previous = self.sharding.name
+        started = time.perf_counter()
+        self.sharding = ShardingSpec.parse(name)
+        self.engine = reshard(self.engine, self._new_engine)
+        self._attach_engine()
+        seconds = time.perf_counter() - started
+        self.auto_switches.append(Switch(step, previous, name, reason, seconds))
+        rank_zero_info(f"PaRO sharding='auto' switched from {previous} to {name} after step {step} in"
+                       f" {seconds:.3g} s: {reason}")
 
     def _build_engine(self, optimizers: list[Optimizer]) -> None:
         if self.engine is not None:  # configure_model / setup run again: start from the plain module
@@ -295,20 +349,26 @@ class PaROStrategy(ParallelStrategy):
         if self._comm is None:
             self._comm = Communicator(self.topology, self.meter, device=self.root_device,
                                       ho_ring_config=self._ho_ring_config())
-        raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
-        master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
-        assert self.lightning_module is not None
-        self.engine = PaROEngine(self.lightning_module, self.sharding, self._comm, optimizers=raw, units=self._units,
-                                 prefetch=self._prefetch, master_dtype=master_dtype,
-                                 comm_dtypes=self.options.comm_dtypes)
-        self.precision_plugin.paro_engine = self.engine
-        self.precision_plugin.paro_sync_grads = self._before_clip
+        self.engine = self._new_engine([o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers])
+        self._attach_engine()
         if self.engine._untracked:
             rank_zero_warn(
                 f"{len(self.engine._untracked)} parameters require grad but are in no optimizer (e.g."
                 f" {self.engine._untracked[0]!r}); the PaRO strategy treats them as frozen."
             )
         self._last_snapshot = self.meter.snapshot()
+
+    def _new_engine(self, optimizers: list[Optimizer]) -> PaROEngine:
+        """An engine of the strategy in use over the module and ``optimizers`` (raw torch optimizers)."""
+        master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
+        assert self.lightning_module is not None and self._comm is not None and self.sharding is not None
+        return PaROEngine(self.lightning_module, self.sharding, self._comm, optimizers=optimizers, units=self._units,
+                          prefetch=self._prefetch, master_dtype=master_dtype, comm_dtypes=self.options.comm_dtypes)
+
+    def _attach_engine(self) -> None:
+        """Point the precision plugin's gradient clipping at the engine in use."""
+        self.precision_plugin.paro_engine = self.engine
+        self.precision_plugin.paro_sync_grads = self._before_clip
 
     def _ho_ring_config(self) -> HORingConfig:
         """The HO-Ring settings: the ``chunk_bytes`` given, else the chunk ``sharding="auto"`` planned with, else the
@@ -328,7 +388,10 @@ class PaROStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
         self.engine.pre_step()
-        return super().training_step(*args, **kwargs)
+        if self._replanner is None:
+            return super().training_step(*args, **kwargs)
+        with self._replanner.forward():
+            return super().training_step(*args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -342,6 +405,8 @@ class PaROStrategy(ParallelStrategy):
             self._manual.after_backward()
         else:
             self.engine.finish_backward(sync=self._sync_grads)
+        if self._replanner is not None:
+            self._replanner.end_backward()
 
     def _before_clip(self) -> None:
         if self._manual is not None:
@@ -369,6 +434,7 @@ class PaROStrategy(ParallelStrategy):
         if self._manual is not None:
             self._manual.after_step()
         self._record_step_traffic()
+        self._replan_after_step()
         return out
 
     def _record_step_traffic(self) -> None:
@@ -681,3 +747,9 @@ def _all_reduce(tensor: Tensor, group: Optional[Any], reduce_op: Optional[Union[
         return tensor
     size = dist.get_world_size(group)
     return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+
+
+def _sent(meter: TrafficMeter) -> tuple[float, float]:
+    """Bytes this rank has sent so far: (intra-group, inter-group)."""
+    total = StepTraffic.between({}, meter.snapshot())
+    return float(total.intra), float(total.inter)

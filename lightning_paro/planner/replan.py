@@ -1,0 +1,82 @@
+"""Planning again with what the job measured, and deciding whether to switch strategy (pure).
+
+The start-up plan knows the links, the memory and the optimizer update's bandwidth, but not the compute time of a
+micro-step nor the activation memory: :func:`replan` plans again with both measured (a figure the user gave stays),
+and :func:`decide` says whether the strategy in use should give way to the new choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lightning_paro.planner.choose import Plan, plan
+from lightning_paro.planner.measure import JobFigures
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A strategy switch made in place during ``fit``."""
+
+    step: int
+    """The optimizer step after which it was made (``trainer.global_step`` then)."""
+    from_strategy: str
+    """The strategy before."""
+    to_strategy: str
+    """The strategy after."""
+    reason: str
+    """Why (the re-plan's :class:`Decision`)."""
+    seconds: float
+    """How long resharding took (the switch's cost; every rank waited for it)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether to switch strategy after a re-plan, and why."""
+
+    switch_to: str | None
+    """The strategy to switch to; None: keep the one in use."""
+    reason: str
+    """One sentence: the predicted gain (or why none), or that the strategy in use does not fit."""
+    predicted_speedup: float
+    """Predicted step time of the strategy in use over the new choice's (1: no switch)."""
+    measured_over_predicted: float
+    """The measured step time of the strategy in use over what the re-plan predicts for it: the model's error."""
+
+
+def replan(previous: Plan, figures: JobFigures, memory_budget: float, prefetch: int = 1,
+           strategies: tuple[str, ...] | None = None, given_compute: bool = False,
+           given_activations: bool = False) -> Plan:
+    """``previous``'s plan again with the measured compute time and activation memory of ``figures``; a figure the
+    user gave (``given_compute``, ``given_activations``) is kept instead."""
+    workload = previous.workload
+    if not given_activations:
+        workload = dataclasses.replace(workload, activation_bytes=figures.activation_bytes)
+    compute = previous.compute
+    if not given_compute:
+        compute = dataclasses.replace(compute, micro_step_seconds=figures.micro_step_seconds, flops_per_second=None)
+    kept = tuple(c.strategy for c in previous.candidates) if strategies is None else strategies
+    result = plan(workload, previous.cluster, compute, memory_budget, prefetch, kept)
+    return dataclasses.replace(result, notes=(*previous.notes, f"re-planned with {figures.describe()}"))
+
+
+def decide(new_plan: Plan, current: str, figures: JobFigures, margin: float) -> Decision:
+    """Switch when the strategy in use no longer fits the budget with the measured activations, or when the new
+    choice fits and is predicted at least ``margin`` faster (0.1: 10%)."""
+    now = new_plan.candidate(current)
+    predicted_now = now.prediction.step_seconds
+    error = figures.step_seconds / predicted_now if predicted_now > 0 else float("inf")
+    choice = new_plan.choice
+    if choice is None or choice == current:
+        why = "the strategy in use is still the fastest that fits" if choice == current else new_plan.reason
+        return Decision(None, f"keep {current}: {why}.", 1.0, error)
+    best = new_plan.candidate(choice).prediction.step_seconds
+    speedup = predicted_now / best if best > 0 else float("inf")
+    if not now.fits:
+        return Decision(choice, f"{current} does not fit the budget with the measured activations ({now.why});"
+                                f" {choice} is the fastest that does.", speedup, error)
+    if speedup >= 1 + margin:
+        return Decision(choice, f"{choice} is predicted {speedup:.2f}x as fast as {current} with the measured figures"
+                                f" (at least {1 + margin:.2f}x asked).", speedup, error)
+    return Decision(None, f"keep {current}: {choice} is predicted only {speedup:.2f}x as fast (a switch needs"
+                          f" {1 + margin:.2f}x).", speedup, error)

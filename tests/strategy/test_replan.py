@@ -1,0 +1,181 @@
+"""sharding="auto" measures the job and re-plans in place: the recorder's figures by hand, the switch rule, and a
+switch mid-fit against the save/resume path."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from launch import launch
+from lightning_paro.planner import AutoConfig, Cluster, Compute, Link, Workload, plan
+from lightning_paro.planner.measure import JobFigures, StepRecorder
+from lightning_paro.planner.replan import decide, replan
+from lightning_paro.strategy.options import OptionError
+
+
+def _recorder(**kwargs) -> StepRecorder:
+    args = {"steps": 1, "device": torch.device("cpu"), "waited": lambda: 0.0, "traffic": lambda: (0.0, 0.0),
+            "excluded_storages": set, "skip": 0}
+    return StepRecorder(**{**args, **kwargs})
+
+
+def test_activation_bytes_are_what_autograd_saves_without_the_weights():
+    """Linear(4, 8) -> ReLU -> Linear(8, 2) on a batch of 3 in fp32 saves, for backward: the input of the first
+    linear (3 x 4 x 4 B = 48 B, for its weight's gradient) and the ReLU's output (3 x 8 x 4 B = 96 B, for the ReLU's
+    own backward and, the same tensor, the second linear's weight gradient). The weights are saved too but are
+    parameters, not activations: 144 B in all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    recorder = _recorder()
+    with recorder.forward():
+        loss = model(torch.randn(3, 4)).sum()
+    loss.backward()
+    recorder.end_backward()
+    recorder.end_step()
+    assert recorder.figures().activation_bytes == 144
+    doubled = _recorder()
+    with doubled.forward():
+        loss = model(torch.randn(6, 4)).sum()
+    loss.backward()
+    doubled.end_backward()
+    doubled.end_step()
+    assert doubled.figures().activation_bytes == 288  # twice the batch, twice the activations
+
+
+def test_compute_time_leaves_out_waiting():
+    """A micro-step that computes for a while and then waits 0.3 s (a collective): on the CPU clock the wait costs no
+    CPU time; on the wall clock the communicator's counter of seconds waited is taken out."""
+    waited = [0.0]
+
+    def micro_step(recorder):
+        with recorder.forward():
+            x = torch.randn(256, 256, requires_grad=True)
+            loss = (x @ x).sum()
+        started = time.perf_counter()
+        time.sleep(0.3)
+        waited[0] += time.perf_counter() - started
+        loss.backward()
+        recorder.end_backward()
+        recorder.end_step()
+        return recorder.figures().micro_step_seconds
+
+    torch.set_num_threads(1)
+    cpu = micro_step(_recorder())
+    assert 0 < cpu < 0.15
+    wall = _recorder(waited=lambda: waited[0])
+    wall._cpu_clock = False  # as on CUDA, or with several intra-op threads
+    assert 0 < micro_step(wall) < 0.15
+    unaware = _recorder()
+    unaware._cpu_clock = False  # no counter: the wait is counted as compute
+    assert micro_step(unaware) >= 0.3
+
+
+def test_the_first_step_is_not_measured():
+    recorder = _recorder(steps=2, skip=1)
+    assert not recorder.measuring
+    recorder.end_step()
+    assert recorder.measuring and not recorder.done
+    recorder.end_step()
+    recorder.end_step()
+    assert recorder.done and not recorder.measuring
+
+
+def _plan(memory_budget: float, compute: float | None = None) -> tuple:
+    # 100M parameters, 2 groups of 4 ranks, a slow link between groups; A = 1.
+    work = Workload(num_params=1e8, num_trainable=1e8, accumulation=1, num_units=8, param_bytes=4, grad_bytes=4,
+                    optim_bytes=8, tokens_per_micro_batch=1024)
+    cluster = Cluster(8, 4, Link.gbit(100, 5), Link.gbit(1, 50), device_memory=4e9)
+    return plan(work, cluster, Compute(compute, memory_bandwidth=1e11), memory_budget), work
+
+
+def _figures(compute: float, activations: float, step: float = 1.0) -> JobFigures:
+    return JobFigures(compute, activations, step, 0.0, 0.0, 3)
+
+
+def test_replan_takes_the_measured_compute_and_activations_unless_given():
+    start, _ = _plan(0.9)
+    new = replan(start, _figures(0.5, 2e8), memory_budget=0.9)
+    assert new.compute.micro_step_seconds == 0.5 and new.workload.activation_bytes == 2e8
+    assert all(c.prediction.memory.activations == 2e8 for c in new.candidates)
+    assert "re-planned with compute 500 ms per micro-step" in new.notes[-1]
+    kept = replan(start, _figures(0.5, 2e8), memory_budget=0.9, given_compute=True, given_activations=True)
+    assert kept.compute.micro_step_seconds is None and kept.workload.activation_bytes is None
+
+
+def test_decide_switches_only_for_the_margin_or_when_the_strategy_in_use_does_not_fit():
+    new = replan(_plan(0.9)[0], _figures(0.05, 0.0), memory_budget=0.9)
+    best = new.choice
+    slowest = new.candidates[-1].strategy
+    speedup = new.candidate(slowest).prediction.step_seconds / new.candidate(best).prediction.step_seconds
+    assert speedup > 1.1  # the margin below is 0.1
+    d = decide(new, slowest, _figures(0.05, 0.0), margin=0.1)
+    assert d.switch_to == best and d.predicted_speedup == pytest.approx(speedup)
+    assert decide(new, slowest, _figures(0.05, 0.0), margin=speedup).switch_to is None  # below the margin asked
+    assert decide(new, best, _figures(0.05, 0.0), margin=0.0).switch_to is None
+    # 100M fp32 parameters with Adam: NNN holds 16 B per parameter = 1.6 GB of model states; with 1.5 GB of
+    # activations measured it needs more than 0.7 x 4 GB = 2.8 GB, so it must give way whatever the margin.
+    tight = replan(_plan(0.7)[0], _figures(0.05, 1.5e9), memory_budget=0.7)
+    assert not tight.candidate("NNN").fits
+    forced = decide(tight, "NNN", _figures(0.05, 1.5e9), margin=100.0)
+    assert forced.switch_to == tight.choice and "does not fit" in forced.reason
+    assert decide(tight, "NNN", _figures(0.05, 1.5e9, step=2 * tight.candidate("NNN").prediction.step_seconds),
+                  margin=0.0).measured_over_predicted == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("kwargs, option", [({"replan_after_steps": 1}, "replan_after_steps"),
+                                            ({"replan_margin": -0.1}, "replan_margin"),
+                                            ({"first_plan": "XYZ"}, "first_plan"),
+                                            ({"strategies": ("NNN", "ABC")}, "strategies"),
+                                            ({"memory_bandwidth": 0}, "memory_bandwidth")])
+def test_replan_options_are_checked(kwargs, option):
+    with pytest.raises(OptionError, match=option):
+        AutoConfig(**kwargs)
+    assert AutoConfig(first_plan="ngg", strategies=["nnn", "GGG"]).strategies == ("NNN", "GGG")
+
+
+@pytest.fixture(scope="module")
+def replan_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replan")
+    logs = launch("replan.py", 4, str(out), timeout=420)
+
+    def result(job, rank=0):
+        return json.loads((out / f"{job}.{rank}.json").read_text())
+
+    return result, lambda job: torch.load(out / f"{job}.pt", weights_only=True), logs[0]
+
+
+@pytest.mark.timeout(480)
+def test_switch_in_place_equals_saving_and_resuming_under_the_new_strategy(replan_runs):
+    """NNN forced first, not fitting the budget: after 2 optimizer steps the re-plan switches to GGG in place; the
+    losses after the switch and the final weights equal, bit for bit, NNN saved after 2 steps and GGG resumed."""
+    result, weights, _ = replan_runs
+    for rank in range(4):
+        switched, first, resumed = result("switch", rank), result("first", rank), result("resumed", rank)
+        assert switched["strategy"] == "GGG" and switched["global_step"] == resumed["global_step"] == 4
+        assert switched["losses"] == first["losses"] + resumed["losses"]
+        [switch] = switched["switches"]
+        assert (switch["step"], switch["from"], switch["to"]) == (2, "NNN", "GGG")
+        assert "NNN does not fit" in switch["reason"] and switch["seconds"] > 0
+    a, b = weights("switch"), weights("resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(480)
+def test_the_plan_keeps_every_figure_it_measured(replan_runs):
+    """Nothing but the links given: the update bandwidth is timed at start-up, the compute and activations on steps
+    2 and 3, all kept in ``auto_plan`` and logged with the candidate table."""
+    result, _, log = replan_runs
+    measured = result("measured")
+    assert measured["micro_step_seconds"] > 0 and measured["activation_bytes"] > 0
+    assert 1e6 < measured["memory_bandwidth"] < 1e13
+    notes = "\n".join(measured["notes"])
+    assert "stepped over" in notes and "re-planned with compute" in notes and "links given" in notes
+    assert "re-planned after 3 steps: measured" in log
+    # the same figures on every rank
+    assert all(result("measured", r)["activation_bytes"] == measured["activation_bytes"] for r in range(4))
+    off = result("off")
+    assert off["switches"] == [] and "re-plan" not in "\n".join(off["notes"])

@@ -1,0 +1,92 @@
+"""sharding="auto" re-planning in place, against the save/resume path, in one set of processes.
+
+Usage: replan.py OUT_DIR. Four ranks in two groups of two. Jobs, in order:
+
+- ``switch``: auto with a forced first plan (NNN) that does not fit the memory budget, re-planned after 2 optimizer
+  steps among NNN and GGG: it switches to GGG in place and trains to 4 steps.
+- ``first`` then ``resumed``: NNN for 2 steps, a full checkpoint, then GGG resumed from it to 4 steps (what the
+  switch must equal, bit for bit).
+- ``measured``: auto with nothing given but the links, re-planned after 3 steps; records the figures it measured.
+- ``off``: auto with ``replan_after_steps=0``: no re-planner, no switch.
+
+Per job and rank: OUT_DIR/ID.RANK.json (losses, the strategy at the end, switches, the plan's notes and figures);
+rank 0 also saves the final weights to OUT_DIR/ID.pt.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import lightning as L  # noqa: E402
+from tiny_lm import TinyLM, loader  # noqa: E402
+
+import lightning_paro  # noqa: E402,F401
+from lightning_paro import PaROStrategy  # noqa: E402
+from lightning_paro.planner import AutoConfig, Link, Workload, predict  # noqa: E402
+from lightning_paro.planner.inputs import Cluster  # noqa: E402
+from lightning_paro.planner.workload import workload_from_module  # noqa: E402
+
+out = Path(sys.argv[1])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+ACC, STEPS_PER_EPOCH, BS, GROUP = 2, 2, 2, 2
+LINKS = {"intra": Link.gbit(10, 10), "inter": Link.gbit(1, 50)}
+DEVICE_MEMORY = 1e9
+
+
+def budget_between_ggg_and_nnn() -> float:
+    """Bytes halfway between GGG's and NNN's predicted memory for TinyLM: NNN does not fit, GGG does."""
+    model = TinyLM()
+    optimizer = model.configure_optimizers()["optimizer"]
+    work: Workload = workload_from_module(model, [optimizer], accumulation=ACC, tokens_per_micro_batch=BS * 8,
+                                          activation_bytes_per_token=100.0)
+    cluster = Cluster(world, GROUP, LINKS["intra"], LINKS["inter"], DEVICE_MEMORY)
+    low, high = (predict(s, work, cluster, _compute()).memory.total for s in ("GGG", "NNN"))
+    assert low < high
+    return (low + high) / 2
+
+
+def _compute():
+    from lightning_paro.planner import Compute
+
+    return Compute(micro_step_seconds=1e-3, memory_bandwidth=1e10)
+
+
+def run(job_id: str, strategy: PaROStrategy, epochs: int, resume=None, save=None) -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
+                        accumulate_grad_batches=ACC, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(model, loader(world * BS * ACC * STEPS_PER_EPOCH), ckpt_path=resume)
+    if save:
+        trainer.save_checkpoint(save)
+    plan = strategy.auto_plan
+    record = {"losses": model.losses, "global_step": trainer.global_step,
+              "strategy": strategy.sharding.name if strategy.sharding else None,
+              "switches": [{"step": s.step, "from": s.from_strategy, "to": s.to_strategy, "reason": s.reason,
+                            "seconds": s.seconds} for s in strategy.auto_switches],
+              "notes": list(plan.notes) if plan else None,
+              "activation_bytes": plan.workload.activation_bytes if plan else None,
+              "micro_step_seconds": plan.compute.micro_step_seconds if plan else None,
+              "memory_bandwidth": plan.compute.memory_bandwidth if plan else None}
+    (out / f"{job_id}.{rank}.json").write_text(json.dumps(record))
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{job_id}.pt")
+
+
+budget = budget_between_ggg_and_nnn()
+forced = AutoConfig(memory_budget=budget, device_memory=DEVICE_MEMORY, first_plan="NNN", strategies=("NNN", "GGG"),
+                    replan_after_steps=2, tokens_per_micro_batch=BS * 8, activation_bytes_per_token=100.0, **LINKS)
+run("switch", PaROStrategy(sharding="auto", group_size=GROUP, auto=forced), epochs=2)
+ckpt = out / "nnn.ckpt"
+run("first", PaROStrategy(sharding="NNN", group_size=GROUP, state_dict_type="full"), epochs=1, save=str(ckpt))
+run("resumed", PaROStrategy(sharding="GGG", group_size=GROUP, state_dict_type="full"), epochs=2, resume=str(ckpt))
+run("measured", PaROStrategy(sharding="auto", group_size=GROUP,
+                             auto=AutoConfig(replan_after_steps=3, **LINKS)), epochs=2)
+run("off", PaROStrategy(sharding="auto", group_size=GROUP, auto=AutoConfig(replan_after_steps=0, **LINKS)), epochs=1)
+print("done", rank)
