@@ -321,3 +321,148 @@ def test_the_fastest_chunk_grows_only_where_a_ring_of_many_groups_is_latency_bou
     bench = Cluster(8, 2, Link.gbit(1.0, 50), Link.gbit(0.05, 1000), 4e9)
     assert fastest_chunk_bytes(Workload(1.07e7, 1.07e7, num_units=6, root_fraction=0.05), bench) == 2 * 2**20
 
+
+
+# ------------------------------------------------------------------------------ the choice, derived by hand
+# A cluster and a model small enough to time every strategy by hand (docs/auto.md, "The model"):
+#   n = 4 ranks in g = 2 groups of m = 2; intra 1 GB/s, inter 100 MB/s, no latency; chunk_bytes = inf, so a global
+#   collective's phases run one after the other (an HO-Ring of one chunk: the sum of its phases).
+#   Psi = 1e6 fp32 parameters (b_p = b_g = 4, Adam K = 8), L = 8 units, root_fraction 0.2:
+#   S = 4 MB, a unit S_u = 0.4 MB, the root S_root = 0.8 MB (T the same for full training).
+# A ring collective over 2 ranks sends half its buffer X: an all-gather or reduce-scatter takes X / 2 / beta, an
+# all-reduce X / beta. So, in ms, with X in MB:
+#   intra AG or RS of X: 0.5 X                   inter AG or RS of X / m = X / 2: 0.5 (X / 2) / 0.1 = 2.5 X
+#   global AG or RS of X: 2.5 X + 0.5 X = 3 X     inter AR of X / 2: 5 X
+HAND_CLUSTER = Cluster(4, 2, Link(1e9, 0.0), Link(1e8, 0.0), 1e9, chunk_bytes=math.inf)
+HAND_FULL = Workload(1e6, 1e6, accumulation=4, num_units=8, root_fraction=0.2, tokens_per_micro_batch=100,
+                     param_bytes=4, grad_bytes=4, optim_bytes=8)
+# Compute 0.15 s per micro-step: the root's 20% (30 ms) and per unit c_f = 0.15 x 0.8 / 3 / 8 = 5 ms forward and
+# c_b = 10 ms backward (forward : backward = 2 Psi : 2 Psi + 2 Psi'). Every per-unit collective below is at most
+# 1.2 ms (a + r at most 2.4 ms), so in the timeline
+#     forward  = a + c_f + (L - 1) max(c_f, a)                                   = a + L c_f
+#     backward = a + max(c_b, a) + (L - 2) max(c_b, a + r) + max(c_b, r) + r    = a + L c_b + r
+#     micro    = a_root + root compute + forward + backward + r_root
+# what a micro-step exposes beyond its compute is a_root + 2 a (the first gather of forward and of backward) and
+# r + r_root (the last unit's and the root's reduce-scatter).
+HAND_COMPUTE = Compute(micro_step_seconds=0.15, memory_bandwidth=1e10)
+
+
+def _hand_steps_ms(exposed_p, exposed_g, sync_g, sync_p, update, A):
+    """Step time per strategy, in ms beyond A x compute: A (exposed P + exposed G) + t_syncg + t_update + t_syncp
+    (t_control = 2 (n - 1) x latency = 0 here). Keys: exposed by level of P and of G, ``sync_g`` by G then OS,
+    ``update`` by OS, ``sync_p`` by OS then P."""
+    return {s: A * (exposed_p[s[0]] + exposed_g[s[1]]) + sync_g[s[1:]] + update[s[2]] + sync_p[s[2] + s[0]]
+            for s in VALID_STRATEGIES}
+
+
+# Once per step, for T = 4 MB of gradients (levels G -> OS) and trainable parameters (OS -> P), in ms:
+FULL_SYNC_G = {
+    "NN": 0.5 * 4 + 5 * 4 + 0.5 * 4,  # global AR: intra RS of T (2) + inter AR of T / 2 (20) + intra AG of T (2) = 24
+    "NI": 0.5 * 4 + 5 * 4,  # intra RS of T (2) + inter AR of T / 2 (20) = 22
+    "NG": 3 * 4,  # global RS of T: intra RS (2) + inter RS of T / 2 (10) = 12
+    "II": 5 * 4,  # inter AR of T / 2 = 20
+    "IG": 2.5 * 4,  # inter RS of T / 2 = 10
+    "GG": 0.0,  # the per-micro-step reduce-scatters summed over every rank already
+}
+FULL_SYNC_P = {  # key: OS then P
+    "NN": 0.0, "II": 0.0, "GG": 0.0,
+    "IN": 0.5 * 4,  # intra AG of T = 2
+    "GN": 3 * 4,  # global AG of T: inter AG of T / 2 (10) + intra AG of T (2) = 12
+    "GI": 2.5 * 4,  # inter AG of T / 2 = 10
+}
+# Update: Psi' / d(OS) x (2 K + b_g + b_p) = 1e6 / d x 24 bytes at 1e10 bytes/s = 2.4 ms / d, d(N, I, G) = 1, 2, 4.
+FULL_UPDATE = {"N": 2.4, "I": 1.2, "G": 0.6}
+# Exposed per micro-step (compute hides the rest): a_root + 2 a at level P, r + r_root at level G (unit 0.4 MB,
+# root 0.8 MB): level I: 0.5 x (0.8 + 2 x 0.4) = 0.8 and 0.5 x (0.4 + 0.8) = 0.6; level G: 3 x 1.6 = 4.8 and
+# 3 x 1.2 = 3.6.
+FULL_EXPOSED_P = {"N": 0.0, "I": 0.8, "G": 4.8}
+FULL_EXPOSED_G = {"N": 0.0, "I": 0.6, "G": 3.6}
+
+# Memory per rank in MB: 4 / d(P) + 4 / d(G) + 8 / d(OS) (model states, Psi = 1e6: b Psi = 4 MB), plus in flight:
+# P != N: the root and 2 units gathered (0.8 + 2 x 0.4 = 1.6); G != N: the root's and 2 units' gradients (1.6).
+FULL_MEMORY_MB = {
+    "NNN": 4 + 4 + 8, "NNI": 4 + 4 + 4, "NNG": 4 + 4 + 2, "NII": 4 + 2 + 4 + 1.6, "NIG": 4 + 2 + 2 + 1.6,
+    "NGG": 4 + 1 + 2 + 1.6, "INI": 2 + 4 + 4 + 1.6, "ING": 2 + 4 + 2 + 1.6, "III": 2 + 2 + 4 + 3.2,
+    "IIG": 2 + 2 + 2 + 3.2, "IGG": 2 + 1 + 2 + 3.2, "GNG": 1 + 4 + 2 + 1.6, "GIG": 1 + 2 + 2 + 3.2,
+    "GGG": 1 + 1 + 2 + 3.2,
+}
+
+
+def _check_hand_table(workload, compute, hand_ms, memory_mb, budget_mb):
+    """The planner's step times and memory equal the hand tables, and it picks the hand table's fastest strategy
+    that fits (which must be unique, or the test would not say which one)."""
+    p = plan(workload, HAND_CLUSTER, compute, memory_budget=budget_mb * 1e6)
+    A = workload.accumulation
+    for c in p.candidates:
+        beyond = c.prediction.step_seconds - A * (compute.micro_step_seconds or 0.0)
+        assert beyond * 1e3 == pytest.approx(hand_ms[c.strategy], rel=1e-9, abs=1e-9), c.strategy
+        assert c.prediction.memory.total / 1e6 == pytest.approx(memory_mb[c.strategy], rel=1e-12), c.strategy
+        assert c.fits == (memory_mb[c.strategy] <= budget_mb)
+    fitting = sorted((t, s) for s, t in hand_ms.items() if memory_mb[s] <= budget_mb)
+    assert fitting[0][0] < fitting[1][0]
+    assert p.choice == fitting[0][1]
+    return p.choice
+
+
+def test_choice_by_hand_under_a_budget_where_nnn_nng_and_nig_do_not_fit():
+    # A = 4, in ms beyond 4 x 150 of compute (_hand_steps_ms): the fastest overall are
+    #   NNG 12 + 0.6 + 12 = 24.6 (10 MB), NIG 4 x 0.6 + 10 + 0.6 + 12 = 25.0 (9.6 MB), NNI 22 + 1.2 + 2 = 25.2 (12 MB),
+    #   NII 25.6, ING 25.8 (9.6 MB), NNN 24 + 2.4 = 26.4 (16 MB), then IIG 4 x 1.4 + 10 + 0.6 + 10 = 26.2 (9.2 MB);
+    # under 9.5 MB only IIG 26.2, NGG 4 x 3.6 + 0.6 + 12 = 27.0 (8.6 MB), IGG 4 x 4.4 + 0.6 + 10 = 28.2 (8.2 MB),
+    # GNG 31.8, GIG 32.2 and GGG 4 x 8.4 + 0.6 = 34.2 (7.2 MB) fit: IIG, keeping the gathers in the group.
+    hand = _hand_steps_ms(FULL_EXPOSED_P, FULL_EXPOSED_G, FULL_SYNC_G, FULL_SYNC_P, FULL_UPDATE, A=4)
+    assert [hand[s] for s in ("NNG", "NIG", "IIG", "NGG", "IGG", "GGG")] == pytest.approx(
+        [24.6, 25.0, 26.2, 27.0, 28.2, 34.2])
+    assert not any(FULL_MEMORY_MB[s] <= 9.5 for s in ("NNN", "NNG", "NIG"))
+    assert _check_hand_table(HAND_FULL, HAND_COMPUTE, hand, FULL_MEMORY_MB, budget_mb=9.5) == "IIG"
+    # with the memory for it, NNG
+    assert _check_hand_table(HAND_FULL, HAND_COMPUTE, hand, FULL_MEMORY_MB, budget_mb=100) == "NNG"
+
+
+@pytest.mark.parametrize(("A", "budget_mb", "expected"), [(1, 100, "GGG"), (8, 100, "NNG"), (1, 9.5, "GGG"),
+                                                          (8, 9.5, "IIG")])
+def test_choice_by_hand_accumulation_1_or_8(A, budget_mb, expected):
+    # A = 1: the per-micro-step terms count once: GGG 8.4 + 0.6 = 9.0 against IGG 4.4 + 10.6 = 15.0, GIG 16.0,
+    #   NGG 3.6 + 12.6 = 16.2, ..., NNG 24.6: GGG, whose only once-per-step term is the update.
+    # A = 8: they count 8 times: NNG 24.6 (nothing per micro-step), NNI 25.2, NNN 26.4, NIG 8 x 0.6 + 22.6 = 27.4,
+    #   ..., IIG 8 x 1.4 + 20.6 = 31.8, NGG 8 x 3.6 + 12.6 = 41.4, GGG 8 x 8.4 + 0.6 = 67.8: NNG; under 9.5 MB
+    #   (IIG, NGG, IGG, GNG, GIG, GGG) IIG.
+    hand = _hand_steps_ms(FULL_EXPOSED_P, FULL_EXPOSED_G, FULL_SYNC_G, FULL_SYNC_P, FULL_UPDATE, A=A)
+    worked = {1: {"GGG": 9.0, "IGG": 15.0, "GIG": 16.0, "NGG": 16.2, "NNG": 24.6},
+              8: {"NNG": 24.6, "NNI": 25.2, "NNN": 26.4, "NIG": 27.4, "IIG": 31.8, "NGG": 41.4, "GGG": 67.8}}[A]
+    assert {s: hand[s] for s in worked} == pytest.approx(worked)
+    workload = dataclasses.replace(HAND_FULL, accumulation=A)
+    assert _check_hand_table(workload, HAND_COMPUTE, hand, FULL_MEMORY_MB, budget_mb) == expected
+
+
+# PEFT: the same model with Psi' = 5e4 trainable (5%; spread over the units and the root like the parameters):
+# T = 0.2 MB, a unit's 0.02 MB, the root's 0.04 MB. No compute (a communication-bound micro-step): everything
+# is exposed, with c = 0 the timeline gives forward = L a, backward = L (a + r), so a micro-step costs
+#   a_root + 2 L a + L r + r_root = gathering 0.8 + 2 x 3.2 = 7.2 MB and reducing T = 0.2 MB:
+#   level I: 0.5 x 7.2 = 3.6 and 0.5 x 0.2 = 0.1; level G: 3 x 7.2 = 21.6 and 3 x 0.2 = 0.6 (ms).
+PEFT_EXPOSED_P = {"N": 0.0, "I": 3.6, "G": 21.6}
+PEFT_EXPOSED_G = {"N": 0.0, "I": 0.1, "G": 0.6}
+PEFT_SYNC_G = {"NN": 0.1 + 1.0 + 0.1, "NI": 0.1 + 1.0, "NG": 3 * 0.2, "II": 5 * 0.2, "IG": 2.5 * 0.2, "GG": 0.0}
+PEFT_SYNC_P = {"NN": 0.0, "II": 0.0, "GG": 0.0, "IN": 0.5 * 0.2, "GN": 3 * 0.2, "GI": 2.5 * 0.2}
+PEFT_UPDATE = {"N": 0.12, "I": 0.06, "G": 0.03}  # 5e4 / d x 24 bytes at 1e10 bytes/s
+# Memory in MB: 4 / d(P) + 0.2 / d(G) + 0.4 / d(OS), in flight 1.6 (P != N) and 0.04 + 2 x 0.02 = 0.08 (G != N).
+PEFT_MEMORY_MB = {s: 4 / d[s[0]] + 0.2 / d[s[1]] + 0.4 / d[s[2]] + (1.6 if s[0] != "N" else 0)
+                  + (0.08 if s[1] != "N" else 0) for d in [{"N": 1, "I": 2, "G": 4}] for s in VALID_STRATEGIES}
+
+
+def test_choice_by_hand_peft():
+    # A = 4. Replicated parameters gather nothing: NNG 0.6 + 0.03 + 0.6 = 1.23, NNI 1.1 + 0.06 + 0.1 = 1.26,
+    # NNN 1.2 + 0.12 = 1.32, NIG 4 x 0.1 + 0.5 + 0.03 + 0.6 = 1.53: NNG, with the memory for it (4.3 MB).
+    # Under 4.2 MB no P = N strategy fits (the smallest, NGG, needs 4 + 0.05 + 0.1 + 0.08 = 4.23): every fitting one
+    # gathers, and the small gradient decides: ING 4 x 3.6 + 0.6 + 0.03 + 0.5 = 15.53 (reduced once per step),
+    # INI 14.4 + 1.1 + 0.06 = 15.56, IIG 4 x 3.7 + 0.5 + 0.03 + 0.5 = 15.83, III 15.86, IGG 4 x 4.2 + 0.53 = 17.33,
+    # GGG 4 x 22.2 + 0.03 = 88.83: ING.
+    peft = dataclasses.replace(HAND_FULL, num_trainable=5e4)
+    hand = _hand_steps_ms(PEFT_EXPOSED_P, PEFT_EXPOSED_G, PEFT_SYNC_G, PEFT_SYNC_P, PEFT_UPDATE, A=4)
+    worked = {"NNG": 1.23, "NNI": 1.26, "NNN": 1.32, "NIG": 1.53, "ING": 15.53, "INI": 15.56, "IIG": 15.83,
+              "III": 15.86, "IGG": 17.33, "GGG": 88.83}
+    assert {s: hand[s] for s in worked} == pytest.approx(worked)
+    assert PEFT_MEMORY_MB["NGG"] == pytest.approx(4.23) and PEFT_MEMORY_MB["NNG"] == pytest.approx(4.3)
+    no_compute = Compute(micro_step_seconds=0.0, memory_bandwidth=1e10)
+    assert _check_hand_table(peft, no_compute, hand, PEFT_MEMORY_MB, budget_mb=100) == "NNG"
+    assert _check_hand_table(peft, no_compute, hand, PEFT_MEMORY_MB, budget_mb=4.2) == "ING"
