@@ -160,7 +160,7 @@ def test_plan_for_job_with_everything_given_needs_no_collectives():
     net = Net()
     opt = torch.optim.AdamW(net.parameters())
     config = AutoConfig(memory_budget=0.5, intra=Link.gbit(100), inter=Link.gbit(1, 50), device_memory=1e9,
-                        micro_step_seconds=1e-3, reduce_scatter_factor=2.0)
+                        micro_step_seconds=1e-3, reduce_scatter_factor=2.0, memory_bandwidth=1e11)
     p = plan_for_job(net, [opt], Topology(8, 4, rank=5), "cpu", accumulation=4, ranks_on_host=4, config=config)
     assert (p.cluster.world_size, p.cluster.group_size, p.cluster.reduce_scatter_factor) == (8, 4, 2.0)
     assert p.budget_bytes == 5e8 and p.workload.accumulation == 4 and p.workload.num_units == 3
@@ -176,7 +176,7 @@ def test_auto_sizes_the_ho_ring_chunk_to_the_links_and_the_strategy_uses_it():
     net = nn.Sequential(*[nn.Linear(8192, 16384, device="meta") for _ in range(2)])
     opt = torch.optim.AdamW(net.parameters())
     config = AutoConfig(intra=Link.gbit(2400, 10), inter=Link.gbit(50, 20), device_memory=80e9,
-                        micro_step_seconds=1.0)
+                        micro_step_seconds=1.0, memory_bandwidth=1e12)
     units = [nn.Linear]
     p = plan_for_job(net, [opt], Topology(128, 8, rank=3), "cpu", accumulation=4, ranks_on_host=8, units=units,
                      config=config)
@@ -241,4 +241,6 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
     assert 0 < first["memory"] and first["budget"] == pytest.approx(0.7 * first["memory"])
     w = first["workload"]
     assert w["num_units"] == 3 and w["num_trainable"] < w["num_params"] and w["accumulation"] == 4
-    assert "No compute time was given" in first["measured_reason"]
+    notes = "\n".join(first["measured_notes"])
+    assert "compute per micro-step not known yet: none assumed" in notes and "links measured" in notes
+    assert "AdamW stepped over" in notes  # the update bandwidth timed on the job's optimizer class

@@ -49,7 +49,7 @@ def main() -> None:
         "choice": result.choice, "budget": result.budget_bytes, "memory": result.cluster.device_memory,
         "workload": dataclasses.asdict(result.workload),
         "candidates": [c.strategy for c in result.candidates],
-        "measured_choice": measured.choice, "measured_reason": measured.reason,
+        "measured_choice": measured.choice, "measured_reason": measured.reason, "measured_notes": list(measured.notes),
     }))
     dist.destroy_process_group()
 
