@@ -71,36 +71,42 @@ class FetchTuner:
     that cost CPU (parsing, preprocessing) read no faster with more threads, which then only add switching.
 
     * More threads are tried only while the worker is the bottleneck: when it waited for its next batch's indices
-      for more than ``ahead`` of the time it took to read a batch, the model (or whatever consumes the batches) is
+      for more than :attr:`AHEAD` of the time it took to read a batch, the model (or whatever consumes the batches) is
       slower than the reading, and reading faster would gain nothing.
-    * A read on one thread that kept it busy (running, or waiting for a CPU: over ``busy`` of the read's wall time)
+    * A read on one thread that kept it busy (running, or waiting for a CPU: over :attr:`BUSY` of the read's wall time)
       is bound by CPU: one thread stays. One that left it idle tries as many threads as would keep it busy (the
       wall time over the busy time, rounded up to a power of two, at most ``max_threads`` and the batch's rows).
       A worker's second row is read alone for this (after its first, which pays for imports and connections), so
-      a latency-bound job is at full speed from its first batch on. A read shorter than ``min_wall_s`` says nothing either way: one thread stays.
+      a latency-bound job is at full speed from its first batch on. A read shorter than :attr:`MIN_WALL_S` says
+      nothing either way: one thread stays.
     * A try is kept when its batches read at least ``gain`` times as fast (rows per second of the read) as the
       thread count it started from: at once when the first is twice that, else when the first two both are; then
       twice as many threads are tried. A try that falls short is undone and not tried again for a pause that
-      doubles each time (``retry_after`` batches, at most ``max_pause``), so a job whose reads become bound by
+      doubles each time (:attr:`RETRY_AFTER` batches, at most :attr:`MAX_PAUSE`), so a job whose reads become bound by
       latency later is still found.
     """
 
-    def __init__(self, max_threads: int = AUTO_FETCH_THREADS_MAX, gain: float = 1.25, busy: float = 0.8,
-                 ahead: float = 0.25, retry_after: int = 8, max_pause: int = 256, min_wall_s: float = 0.002) -> None:
+    BUSY = 0.8
+    """Share of a one-thread read's wall time that it ran or waited for a CPU, above which it is bound by CPU."""
+    AHEAD = 0.25
+    """Share of a read's wall time the worker may wait for its next batch and still be the bottleneck."""
+    RETRY_AFTER = 8
+    """Batches before a try that did not pay is made again (the first pause; each next one doubles)."""
+    MAX_PAUSE = 256
+    """The longest pause, in batches."""
+    MIN_WALL_S = 0.002
+    """Seconds under which a read decides nothing."""
+
+    def __init__(self, max_threads: int = AUTO_FETCH_THREADS_MAX, gain: float = 1.25) -> None:
         self.max_threads = max_threads
         self.gain = gain
-        self.busy = busy
-        self.ahead = ahead
-        self.retry_after = retry_after
-        self.max_pause = max_pause
-        self.min_wall_s = min_wall_s
         self.threads = 1
         self.measured = False
         """Whether a read was recorded yet (a worker's first two rows are read alone while it is not)."""
         self._base: Optional[tuple[int, float]] = None  # (threads, rows/s) a try started from
         self._tries: list[float] = []  # the rates of the batches read in the current try
         self._pause = 0
-        self._next_pause = retry_after
+        self._next_pause = self.RETRY_AFTER
 
     def choose(self, rows: int) -> int:
         """Threads to read the next batch of ``rows`` rows with."""
@@ -122,21 +128,21 @@ class FetchTuner:
             base_threads, base_rate = self._base
             if min(self._tries) >= self.gain * base_rate and (len(self._tries) >= 2 or rate >= 2 * self.gain * base_rate):
                 self._base, self._tries = None, []
-                self._next_pause = self.retry_after  # paid: keep it and try twice as many at once
-                if waited_s is None or waited_s <= self.ahead * wall_s:
+                self._next_pause = self.RETRY_AFTER  # paid: keep it and try twice as many at once
+                if waited_s is None or waited_s <= self.AHEAD * wall_s:
                     self._try(self.threads, rate, 2 * self.threads, limit)
             elif len(self._tries) >= 2:
                 self.threads = base_threads
                 self._base, self._tries = None, []
-                self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, self.max_pause)
+                self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, self.MAX_PAUSE)
             return
         if self._pause > 0:
             self._pause -= 1
             return
-        if wall_s < self.min_wall_s or (waited_s is not None and waited_s > self.ahead * wall_s):
+        if wall_s < self.MIN_WALL_S or (waited_s is not None and waited_s > self.AHEAD * wall_s):
             return  # too quick to tell, or the batches are consumed slower than they are read
         if threads == 1 and busy_s is not None:
-            if busy_s > self.busy * wall_s:
+            if busy_s > self.BUSY * wall_s:
                 return  # bound by CPU
             wanted = 2 ** math.ceil(math.log2(max(wall_s / max(busy_s, 1e-9), 2.0)))
             self._try(1, rate, wanted, limit)
