@@ -180,7 +180,11 @@ def test_auto_sizes_the_ho_ring_chunk_to_the_links_and_the_strategy_uses_it():
     units = [nn.Linear]
     p = plan_for_job(net, [opt], Topology(128, 8, rank=3), "cpu", accumulation=4, ranks_on_host=8, units=units,
                      config=config)
-    assert p.cluster.chunk_bytes > 2 * 2**20 and f"chunks of {p.cluster.chunk_bytes / 2**20:g} MiB" in format_plan(p)
+    # By hand: a unit is X = 4 x (8192 x 16384 + 16384) = 537 MB; its global all-reduce's inter phase over 16 groups
+    # sends 2 x 15/16 x X / 8 = 126 MB (20.1 ms at 6.25 GB/s) and pays 30 steps x 20 us / 2 = 0.3 ms per chunk of
+    # latency: 77 ms in 256 chunks of 2 MiB, 38 ms in 128 of 4 MiB, 19 ms in 64 of 8 MiB (bandwidth-bound from there);
+    # a larger chunk only adds to the intra phases' share of one chunk (3.1 ms / chunks): 8 MiB.
+    assert p.cluster.chunk_bytes == 8 * 2**20 and "chunks of 8 MiB" in format_plan(p)
     given = plan_for_job(net, [opt], Topology(128, 8, rank=3), "cpu", accumulation=4, ranks_on_host=8, units=units,
                          config=config, chunk_bytes=2**20)
     assert given.cluster.chunk_bytes == 2**20
@@ -207,7 +211,11 @@ def test_plan_command(capsys):
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
     assert all(s in out for s in VALID_STRATEGIES) and "choice: " in out and "n=32 ranks in groups of m=8" in out
-    assert "chunks of 8 MiB" in out  # 200 Gbit/s per rank: at 2 MiB the ring over 4 groups is latency-bound
+    # 200 Gbit/s per rank: the largest unit is the root, 2 x 0.04 x 7e9 = 560 MB; its global all-reduce's inter phase
+    # over 4 groups sends 2 x 3/4 x 560 MB / 8 = 105 MB (4.2 ms at 25 GB/s) against chunks x 6 steps x 20 us / 2
+    # of latency: 16 ms in 268 chunks of 2 MiB, 8 ms in 134 of 4 MiB, 4.0 ms in 67 of 8 MiB (below the transfer);
+    # larger chunks only lengthen the pipeline's tail (the intra phases, 3.3 ms / chunks): 8 MiB.
+    assert "chunks of 8 MiB" in out
     assert plan_main(argv + ["--chunk-mib", "0.5"]) == 0 and "chunks of 0.5 MiB" in capsys.readouterr().out
     assert plan_main(argv[:-2] + ["--device-memory-gib", "1"]) == 1  # nothing fits 70% of 1 GiB
     assert "choice: none" in capsys.readouterr().out
