@@ -17,8 +17,8 @@ the tests), the outputs a :class:`Score` and a yes or no.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 TOLERANCE = 0.05
 """A pick counts when its tokens/s are at least (1 - TOLERANCE) times the best fitting strategy's."""
@@ -77,14 +77,14 @@ class Score:
     """One sentence: why it passed or failed."""
 
 
-def ratio(setting: SettingResult, strategy: str, tokens_per_s: Optional[float] = None) -> float:
+def ratio(setting: SettingResult, strategy: str, tokens_per_s: float | None = None) -> float:
     """``strategy``'s tokens/s (or ``tokens_per_s``, a run of its own) over the best fitting strategy's."""
     own = setting.tokens_per_s[strategy] if tokens_per_s is None else tokens_per_s
     return own / setting.tokens_per_s[setting.best]
 
 
 def score(results: Sequence[SettingResult], picker: Callable[[SettingResult], str],
-          own_tokens_per_s: Optional[Mapping[str, float]] = None, tolerance: float = TOLERANCE,
+          own_tokens_per_s: Mapping[str, float] | None = None, tolerance: float = TOLERANCE,
           allowed_misses: int = ALLOWED_MISSES, min_settings: int = MIN_SETTINGS) -> Score:
     """Score ``picker`` on ``results`` by the benchmark's criterion (module docstring).
 
@@ -151,7 +151,7 @@ def best_fitting(setting: SettingResult) -> str:
 
 
 # ---------------------------------------------------------------------------------------- from the benchmark's rows
-def setting_from_rows(name: str, rows: Iterable[Mapping], budget_bytes: Optional[float] = None,
+def setting_from_rows(name: str, rows: Iterable[Mapping], budget_bytes: float | None = None,
                       memory_key: str = "peak_rss_bytes_max_rank") -> SettingResult:
     """A setting from ``bench/train/run.py``'s rows: the ``paro_<xyz>`` systems as strategies XYZ (other systems
     and rows with an error are left out); a strategy fits when its ``memory_key`` is at most ``budget_bytes`` (every
