@@ -49,6 +49,12 @@ class Setting:
     """None: full training; k: only the last k of the 6 blocks train (PEFT-like)."""
     timed_steps: int = 2
     """Optimizer steps timed, after one warm-up step."""
+    memory_budget: Optional[float] = None
+    """Bytes per rank ``sharding="auto"`` may plan with (``strategy.memory_budget``); the fixed strategies that fit
+    it are those the setting compares auto with. None: the default share of memory (every strategy fits here)."""
+    contenders: Optional[tuple[str, ...]] = None
+    """The systems run by default (all of ``SYSTEMS`` when None): under a budget, the fitting strategies whose
+    earlier runs came within 1.6x of the fastest fitting one, and auto."""
 
 
 SETTINGS = {
@@ -60,6 +66,20 @@ SETTINGS = {
     "4x2-100m-a4": Setting(4, 2, 100, 4),
     "2x2-100m-a4-peft": Setting(2, 2, 100, 4, trainable_blocks=1),
     "4x2-100m-a4-peft": Setting(4, 2, 100, 4, trainable_blocks=1),
+    # Memory-bound: a budget under which NNN, NNG and NIG (and more) do not fit; 5 timed steps, so that auto's
+    # re-plan after its 4th step (the default) falls inside the timed window with its cost.
+    "2x2-100m-a4-m106": Setting(2, 2, 100, 4, timed_steps=5, memory_budget=106e6,
+                                contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),
+    "2x2-100m-a4-m96": Setting(2, 2, 100, 4, timed_steps=5, memory_budget=96e6,
+                               contenders=("paro_igg", "paro_gig", "paro_ggg", "paro")),
+    "4x2-100m-a4-m96": Setting(4, 2, 100, 4, timed_steps=5, memory_budget=96e6,
+                               contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),
+    "2x2-100m-a8-m106": Setting(2, 2, 100, 8, timed_steps=5, memory_budget=106e6,
+                                contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),
+    "2x2-100m-a1-m106": Setting(2, 2, 100, 1, timed_steps=5, memory_budget=106e6,
+                                contenders=("paro_ngg", "paro_igg", "paro_iig", "paro_gng", "paro")),
+    "2x2-1g-a1-m106": Setting(2, 2, 1000, 1, timed_steps=8, memory_budget=106e6,
+                              contenders=("paro_ngg", "paro_ggg", "paro_gng", "paro")),
 }
 MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64", "data.batch_size=1"]
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
@@ -67,7 +87,14 @@ MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64",
 
 def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = ()) -> dict:
     """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes)."""
-    strategy = [f"strategy={system}"] if system != "paro" else ["strategy=paro", "strategy.sharding=auto"]
+    if system.split("@")[0] == "paro":  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
+        strategy = ["strategy=paro", "strategy.sharding=auto"]
+        if "@" in system:
+            strategy.append(f"strategy.first_plan={system.split('@')[1]}")
+        if s.memory_budget is not None:
+            strategy.append(f"strategy.memory_budget={s.memory_budget:.0f}")
+    else:
+        strategy = [f"strategy={system}"]
     if system.startswith("paro"):
         strategy.append(f"strategy.group_size={s.per_node}")
     peft = [f"model.trainable_blocks={s.trainable_blocks}"] if s.trainable_blocks is not None else []
@@ -106,7 +133,7 @@ def with_run(old: Optional[dict], new: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=None, help="default: the setting's contenders, else every system")
     ap.add_argument("--redo", action="store_true", help="rerun the listed systems even where they have a result (others are kept)")
     ap.add_argument("--more", type=int, default=0, metavar="N",
                     help="add N runs of each listed system, pass by pass; rows become the median run")
@@ -117,17 +144,19 @@ def main() -> None:
         path = RESULTS / f"{name}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         rows = {r["system"]: r for r in old.get("rows", []) if "error" not in r}
-        for system in args.systems.split(",") * max(1, args.more):  # --more: pass after pass over the systems
+        listed = args.systems.split(",") if args.systems else list(s.contenders or SYSTEMS)
+        for system in listed * max(1, args.more):  # --more: pass after pass over the systems
             if system in rows and not (args.redo or args.more):
                 continue
             row = run_one(system, s, Path("/tmp") / "paro-train-bench" / name / system)
             rows[system] = with_run(rows.get(system), row) if args.more else row
             print(name, json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "final_loss", "error",
                                                            "auto_choice")}), flush=True)
-            ordered = [rows[k] for k in SYSTEMS if k in rows]
+            ordered = [rows[k] for k in SYSTEMS if k in rows] + [rows[k] for k in rows if k not in SYSTEMS]
             path.write_text(json.dumps({"setting": name, "nodes": s.nodes, "ranks_per_node": s.per_node,
                                         "mbit": s.mbit, "accumulation": s.accumulation,
-                                        "trainable_blocks": s.trainable_blocks, "rows": ordered}, indent=2))
+                                        "trainable_blocks": s.trainable_blocks, "memory_budget": s.memory_budget,
+                                        "timed_steps": s.timed_steps, "rows": ordered}, indent=2))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def strategy_stats(strategy: Any) -> dict[str, Any]:
         "intra_bytes_per_step": sum(t.intra for t in history) / len(history),
         "inter_bytes_per_step": sum(t.inter for t in history) / len(history),
         "memory_bytes_rank0": dict(strategy.memory_report()),
+        "gathered_peak_bytes_rank0": strategy.engine.gather_meter.peak if strategy.engine is not None else None,
     }
     plan = getattr(strategy, "auto_plan", None)
     if plan is not None:  # sharding="auto": what it measured and predicted, for checking the cost model
@@ -116,6 +117,17 @@ def strategy_stats(strategy: Any) -> dict[str, Any]:
             "intra_overlap": c.intra.overlap, "inter_overlap": c.inter.overlap,
             "reduce_scatter_factor": c.reduce_scatter_factor, "hierarchical_factor": c.hierarchical_factor,
             "predicted_step_s": {k.strategy: k.prediction.step_seconds for k in plan.candidates},
+            "predicted_memory_bytes": {k.strategy: k.prediction.memory.total for k in plan.candidates},
+            "fits": {k.strategy: k.fits for k in plan.candidates},
+            "budget_bytes": plan.budget_bytes,
+            "in_use": strategy.sharding.name if strategy.sharding is not None else None,
+            "plan_seconds": getattr(strategy, "auto_plan_seconds", 0.0),
+            "micro_step_seconds": plan.compute.micro_step_seconds,
+            "update_bytes_per_s": plan.compute.memory_bandwidth,
+            "activation_bytes": plan.workload.activation_bytes,
+            "notes": list(plan.notes),
+            "switches": [{"step": s.step, "from": s.from_strategy, "to": s.to_strategy, "reason": s.reason,
+                          "seconds": s.seconds} for s in getattr(strategy, "auto_switches", [])],
         }
     return out
 

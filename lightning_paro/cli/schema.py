@@ -83,6 +83,14 @@ class ParoStrategyConfig:
     """AutoConfig.memory_budget: share of a rank's memory (at most 1) or bytes (above 1) the strategy may use."""
     micro_step_seconds: Optional[float] = AUTO.micro_step_seconds
     """AutoConfig.micro_step_seconds: compute time of one micro-step, if known."""
+    replan_after_steps: int = AUTO.replan_after_steps
+    """AutoConfig.replan_after_steps: plan again with measured figures after this many optimizer steps (0: never)."""
+    replan_margin: float = AUTO.replan_margin
+    """AutoConfig.replan_margin: the predicted gain a switch needs (0.1: 10%)."""
+    first_plan: Optional[str] = AUTO.first_plan
+    """AutoConfig.first_plan: start with this strategy instead of the start-up plan's choice."""
+    strategies: Optional[list] = None
+    """AutoConfig.strategies: the strategies to choose among (a list such as [NNG, IIG]); null: all 14."""
     intra_gbps: Optional[float] = None
     """AutoConfig.intra's bandwidth per rank in Gbit/s; null: measured at start-up (give both or neither)."""
     inter_gbps: Optional[float] = None
@@ -121,7 +129,10 @@ class ParoStrategyConfig:
                               " neither")
         with strategy_errors():
             auto = AutoConfig(memory_budget=self.memory_budget, micro_step_seconds=self.micro_step_seconds,
-                              intra=self._link("intra"), inter=self._link("inter"))
+                              intra=self._link("intra"), inter=self._link("inter"),
+                              replan_after_steps=self.replan_after_steps, replan_margin=self.replan_margin,
+                              first_plan=self.first_plan,
+                              strategies=tuple(self.strategies) if self.strategies is not None else None)
             return PaROOptions(sharding=self.sharding, group_size=self.group_size, units=_unit_classes(self.units),
                                prefetch=self.prefetch, chunk_bytes=self.chunk_bytes, log_traffic=self.log_traffic,
                                auto=auto, state_dict_type=self.state_dict_type, gather=self.gather,

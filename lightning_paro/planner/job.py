@@ -10,13 +10,14 @@ measurement is reduced over the ranks (slowest link, smallest memory, ...), so e
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
 from lightning_paro.planner.choose import DEFAULT_MEMORY_BUDGET, Plan, plan
 from lightning_paro.planner.cost_model import fastest_chunk_bytes
 from lightning_paro.planner.inputs import Cluster, Compute, Link
-from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth
+from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, agree_most, probe_update_bandwidth
 from lightning_paro.planner.memory import agreed_minimum, device_memory_bytes
 from lightning_paro.planner.probe import probe_links
 from lightning_paro.planner.replan import Decision, decide, replan
@@ -184,9 +185,14 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
 
 
 class JobReplanner:
-    """``sharding="auto"`` during ``fit``: records the first optimizer steps, then plans again with what they measured
-    and decides whether to switch (every rank the same). The strategy calls :meth:`forward`, :meth:`end_backward` and
-    :meth:`end_step`; a switch it is told to make is its own to carry out.
+    """``sharding="auto"`` during ``fit``: measures the first optimizer steps and plans again with what they measured
+    (every rank the same). The strategy calls :meth:`forward`, :meth:`end_backward` and :meth:`end_step`; a switch
+    :meth:`end_step` decides on is the strategy's to carry out, which then sets :attr:`current`.
+
+    Two re-plans: after the first step, with the activation memory its micro-steps saved, switching only if the
+    strategy in use does not fit with them (the start-up plan counts no activations unless they are declared); and
+    after ``replan_after_steps`` steps, with the compute time of the steps after the first as well, switching when
+    the new choice is ``replan_margin`` faster. A figure the user gave is kept instead of the measured one.
 
     Args:
         config: the options (``replan_after_steps``, ``replan_margin``, ``strategies``, given figures).
@@ -196,7 +202,7 @@ class JobReplanner:
         waited: seconds spent waiting for collectives so far (the communicator's counter).
         traffic: bytes sent so far, ``(intra, inter)``.
         excluded_storages: storages that hold parameters, not activations.
-        group: the process group of every rank (for :func:`~lightning_paro.planner.measure.agree`).
+        group: the process group of every rank (the measurements are agreed over it).
         prefetch: the strategy's ``prefetch``.
     """
 
@@ -206,14 +212,19 @@ class JobReplanner:
 
         self.config = config
         self.plan = start_plan
+        """The latest plan."""
         self.current = current
-        self.decision: Decision | None = None
-        """The re-plan's decision, once made."""
+        """The strategy in use."""
         self.figures: JobFigures | None = None
-        """What the measured steps gave (agreed over the ranks), once measured."""
+        """What the timed steps measured (agreed over the ranks), once measured."""
+        self.finished = False
+        """Whether the last re-plan was made."""
         self._group = group
         self._prefetch = prefetch
         self._device = torch.device(device)
+        self._fit_checked = False
+        self._given_activations = start_plan.workload.micro_batch_activation_bytes > 0
+        self._given_compute = config.micro_step_seconds is not None or start_plan.compute.flops_per_second is not None
         self.recorder = StepRecorder(config.replan_after_steps - 1, self._device, waited, traffic, excluded_storages)
 
     def forward(self):
@@ -224,19 +235,30 @@ class JobReplanner:
         self.recorder.end_backward()
 
     def end_step(self) -> Decision | None:
-        """After an optimizer step (collective once the measured steps are done): the decision of the re-plan the
-        step completes, else None."""
-        if self.decision is not None:
+        """After an optimizer step (collective after the first step and after the last measured one): the decision
+        of a re-plan this step completes, else None."""
+        if self.finished:
             return None
         self.recorder.end_step()
+        reduce_on = self._device if self._device.type == "cuda" else None
+        if not self._fit_checked:
+            self._fit_checked = True
+            if not self._given_activations:
+                activations = agree_most(self.recorder.activation_bytes, self._group, reduce_on)
+                checked = replan(self.plan, self.config.memory_budget, self._prefetch, self.config.strategies,
+                                 activation_bytes=activations,
+                                 note=f"activations {format_bytes(activations)} per micro-batch, measured on the first"
+                                      " step")
+                if not checked.candidate(self.current).fits:
+                    self.plan = checked
+                    return decide(checked, self.current, math.inf)
         if not self.recorder.done:
             return None
-        reduce_on = self._device if self._device.type == "cuda" else None
+        self.finished = True
         figures = agree(self.recorder.figures(), self._group, reduce_on)
-        self.plan = replan(self.plan, figures, self.config.memory_budget, self._prefetch, self.config.strategies,
-                           given_compute=self.config.micro_step_seconds is not None
-                           or self.config.flops_per_second is not None,
-                           given_activations=self.plan.workload.micro_batch_activation_bytes > 0)
-        self.decision = decide(self.plan, self.current, figures, self.config.replan_margin)
         self.figures = figures
-        return self.decision
+        self.plan = replan(self.plan, self.config.memory_budget, self._prefetch, self.config.strategies,
+                           micro_step_seconds=None if self._given_compute else figures.micro_step_seconds,
+                           activation_bytes=None if self._given_activations else figures.activation_bytes,
+                           note=f"re-planned with {figures.describe()}")
+        return decide(self.plan, self.current, self.config.replan_margin, figures.step_seconds)

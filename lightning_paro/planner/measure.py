@@ -103,8 +103,9 @@ class StepRecorder:
     """Records the first optimizer steps of ``fit``: the strategy calls :meth:`forward` around each micro-step's
     forward, :meth:`end_backward` after its backward and :meth:`end_step` after each optimizer step.
 
-    The first ``skip`` steps are not measured (they allocate buffers, build autograd's graph caches and run the first
-    gathers). A micro-step's compute time is the training thread's CPU time where compute runs on that thread alone
+    The first ``skip`` steps are not timed (they allocate buffers, build autograd's graph caches and run the first
+    gathers); activations are counted from the first micro-step on (:attr:`activation_bytes`), so a plan that does
+    not fit them can be corrected after the first step. A micro-step's compute time is the training thread's CPU time where compute runs on that thread alone
     (CPU with one intra-op thread: waiting for a collective costs no CPU time, and time taken by other processes on
     the same cores is not counted, as the cost model's overlap expects); elsewhere it is wall time less the time spent
     waiting for collectives (``waited``), with the device synchronized at both ends.
@@ -146,13 +147,20 @@ class StepRecorder:
         """Whether every step to measure has been."""
         return self._step >= self._skip + self.steps
 
+    @property
+    def activation_bytes(self) -> int:
+        """The most bytes one micro-batch's forward saved for backward so far (parameters left out)."""
+        return max(self._activations, default=0)
+
     @contextmanager
     def forward(self) -> Iterator[None]:
-        """Around a micro-step's forward: starts its clock and counts the bytes autograd saves for backward."""
-        if not self.measuring:
+        """Around a micro-step's forward: starts its clock (on a measured step) and counts the bytes autograd saves for
+        backward."""
+        if self.done:
             yield
             return
-        self._micro_start = self._clock()
+        if self.measuring:
+            self._micro_start = self._clock()
         excluded = self._excluded()
         seen: set[int] = set()
         saved = 0
@@ -201,7 +209,7 @@ class StepRecorder:
             raise RuntimeError("StepRecorder.figures(): no micro-step was measured.")
         return JobFigures(
             micro_step_seconds=statistics.fmean(self._micro),
-            activation_bytes=float(max(self._activations, default=0)),
+            activation_bytes=float(self.activation_bytes),
             step_seconds=statistics.median(self._step_times),
             intra_bytes=statistics.fmean(t[0] for t in self._step_traffic),
             inter_bytes=statistics.fmean(t[1] for t in self._step_traffic),
@@ -214,6 +222,15 @@ class StepRecorder:
             return time.thread_time(), 0.0
         _synchronize(self.device)
         return time.perf_counter(), self._waited()
+
+
+def agree_most(value: float, group=None, device=None) -> float:
+    """Collective: the largest ``value`` over the ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
 
 
 def agree(figures: JobFigures, group=None, device=None) -> JobFigures:

@@ -1,8 +1,8 @@
 """Planning again with what the job measured, and deciding whether to switch strategy (pure).
 
 The start-up plan knows the links, the memory and the optimizer update's bandwidth, but not the compute time of a
-micro-step nor the activation memory: :func:`replan` plans again with both measured (a figure the user gave stays),
-and :func:`decide` says whether the strategy in use should give way to the new choice.
+micro-step nor the activation memory: :func:`replan` plans again with them measured, and :func:`decide` says whether
+the strategy in use should give way to the new choice.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from lightning_paro.planner.choose import Plan, plan
-from lightning_paro.planner.measure import JobFigures
 
 
 @dataclass(frozen=True)
@@ -41,40 +40,45 @@ class Decision:
     predicted_speedup: float
     """Predicted step time of the strategy in use over the new choice's (1: no switch)."""
     measured_over_predicted: float
-    """The measured step time of the strategy in use over what the re-plan predicts for it: the model's error."""
+    """The measured step time of the strategy in use over what the re-plan predicts for it: the model's error (nan
+    when no step time was measured)."""
 
 
-def replan(previous: Plan, figures: JobFigures, memory_budget: float, prefetch: int = 1,
-           strategies: tuple[str, ...] | None = None, given_compute: bool = False,
-           given_activations: bool = False) -> Plan:
-    """``previous``'s plan again with the measured compute time and activation memory of ``figures``; a figure the
-    user gave (``given_compute``, ``given_activations``) is kept instead."""
+def replan(previous: Plan, memory_budget: float, prefetch: int = 1, strategies: tuple[str, ...] | None = None,
+           micro_step_seconds: float | None = None, activation_bytes: float | None = None, note: str = "") -> Plan:
+    """``previous``'s plan again with a measured compute time per micro-step and activation memory per micro-batch
+    (each left as it was when None), among ``strategies`` (default: the previous candidates); ``note`` is added to
+    the plan's notes."""
     workload = previous.workload
-    if not given_activations:
-        workload = dataclasses.replace(workload, activation_bytes=figures.activation_bytes)
+    if activation_bytes is not None:
+        workload = dataclasses.replace(workload, activation_bytes=activation_bytes)
     compute = previous.compute
-    if not given_compute:
-        compute = dataclasses.replace(compute, micro_step_seconds=figures.micro_step_seconds, flops_per_second=None)
+    if micro_step_seconds is not None:
+        compute = dataclasses.replace(compute, micro_step_seconds=micro_step_seconds, flops_per_second=None)
     kept = tuple(c.strategy for c in previous.candidates) if strategies is None else strategies
     result = plan(workload, previous.cluster, compute, memory_budget, prefetch, kept)
-    return dataclasses.replace(result, notes=(*previous.notes, f"re-planned with {figures.describe()}"))
+    return dataclasses.replace(result, notes=(*previous.notes, note) if note else previous.notes)
 
 
-def decide(new_plan: Plan, current: str, figures: JobFigures, margin: float) -> Decision:
-    """Switch when the strategy in use no longer fits the budget with the measured activations, or when the new
-    choice fits and is predicted at least ``margin`` faster (0.1: 10%)."""
+def decide(new_plan: Plan, current: str, margin: float, measured_step_seconds: float | None = None) -> Decision:
+    """Switch when the strategy in use does not fit the budget, or when the new choice fits and is predicted at least
+    ``margin`` faster (0.1: 10%; ``math.inf``: only when the one in use does not fit). ``measured_step_seconds``: the
+    strategy in use's measured step time, compared with the plan's prediction for it."""
     now = new_plan.candidate(current)
     predicted_now = now.prediction.step_seconds
-    error = figures.step_seconds / predicted_now if predicted_now > 0 else float("inf")
+    error = (measured_step_seconds / predicted_now if measured_step_seconds is not None and predicted_now > 0
+             else float("nan"))
     choice = new_plan.choice
-    if choice is None or choice == current:
-        why = "the strategy in use is still the fastest that fits" if choice == current else new_plan.reason
-        return Decision(None, f"keep {current}: {why}.", 1.0, error)
-    best = new_plan.candidate(choice).prediction.step_seconds
-    speedup = predicted_now / best if best > 0 else float("inf")
-    if not now.fits:
+    if not now.fits and choice is not None:
+        best = new_plan.candidate(choice).prediction.step_seconds
+        speedup = predicted_now / best if best > 0 else float("inf")
         return Decision(choice, f"{current} does not fit the budget with the measured activations ({now.why});"
                                 f" {choice} is the fastest that does.", speedup, error)
+    if choice is None or choice == current:
+        why = "it is still the fastest that fits" if choice == current else new_plan.reason
+        return Decision(None, f"keep {current}: {why}", 1.0, error)
+    best = new_plan.candidate(choice).prediction.step_seconds
+    speedup = predicted_now / best if best > 0 else float("inf")
     if speedup >= 1 + margin:
         return Decision(choice, f"{choice} is predicted {speedup:.2f}x as fast as {current} with the measured figures"
                                 f" (at least {1 + margin:.2f}x asked).", speedup, error)

@@ -132,6 +132,8 @@ class PaROStrategy(ParallelStrategy):
         self.auto_switches: list[Switch] = []
         """With ``sharding="auto"``: the strategy switches made in place during fit (step, strategies, reason, cost)."""
         self._replanner: Optional[JobReplanner] = None
+        self.auto_plan_seconds = 0.0
+        """With ``sharding="auto"``: seconds the start-up plan took (probes and planning)."""
         self.gather = self.options.gather_config
         self._group_size = group_size
         self._chunk_bytes = chunk_bytes
@@ -283,6 +285,7 @@ class PaROStrategy(ParallelStrategy):
         (collective: every rank measures, all agree)."""
         raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
         assert self.lightning_module is not None
+        started = time.perf_counter()
         result = plan_for_job(self.lightning_module, raw, self.topology, self.root_device,
                               accumulation=trainer.accumulate_grad_batches if fitting else 1,
                               ranks_on_host=self.num_processes, units=self._units, prefetch=self._prefetch,
@@ -293,6 +296,7 @@ class PaROStrategy(ParallelStrategy):
             raise RuntimeError(f"sharding='auto' found no strategy that fits: {result.reason}")
         self.sharding = ShardingSpec.parse(self.broadcast(first or result.choice))
         self.auto_plan = result
+        self.auto_plan_seconds = time.perf_counter() - started
         forced = f" (AutoConfig.first_plan; the plan's choice: {result.choice})" if first else ""
         rank_zero_info(f"PaRO sharding='auto' chose {self.sharding.name}{forced}\n{format_plan(result)}")
 
@@ -311,20 +315,24 @@ class PaROStrategy(ParallelStrategy):
 
     def _replan_after_step(self) -> None:
         """After an optimizer step: feed the re-planner, and switch strategy in place when its decision says so."""
-        if self._replanner is None:
+        planner = self._replanner
+        if planner is None:
             return
-        decision = self._replanner.end_step()
-        if decision is None:
-            return
-        planner, step = self._replanner, self.lightning_module.trainer.global_step + 1  # this step is not counted yet
-        self.auto_plan = planner.plan
-        measured = (f"measured {planner.figures.step_seconds:.4g} s per optimizer step under {self.sharding.name},"
-                    f" {decision.measured_over_predicted:.2f}x the re-plan's prediction for it")
-        rank_zero_info(f"PaRO sharding='auto' re-planned after {step} steps: {measured}."
-                       f" {decision.reason}\n{format_plan(planner.plan)}")
-        if decision.switch_to is not None:
-            self._switch_strategy(decision.switch_to, decision.reason, step)
-        self._replanner = None
+        decision = planner.end_step()
+        if decision is not None:
+            step = self.lightning_module.trainer.global_step + 1  # the step just made is not counted yet
+            self.auto_plan = planner.plan
+            measured = "" if planner.figures is None else (
+                f" measured {planner.figures.step_seconds:.4g} s per optimizer step under {planner.current},"
+                f" {decision.measured_over_predicted:.2f}x the re-plan's prediction for it.")
+            steps = f"{step} step{'s' if step != 1 else ''}"
+            rank_zero_info(f"PaRO sharding='auto' re-planned after {steps}:{measured} {decision.reason}\n"
+                           f"{format_plan(planner.plan)}")
+            if decision.switch_to is not None:
+                self._switch_strategy(decision.switch_to, decision.reason, step)
+                planner.current = decision.switch_to
+        if planner.finished:
+            self._replanner = None
 
     def _switch_strategy(self, name: str, reason: str, step: int) -> None:
         """Reshard the model and optimizer states in memory to the levels of ``name`` (collective)."""

@@ -4,6 +4,7 @@ switch mid-fit against the save/resume path."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 
 from launch import launch
 from lightning_paro.planner import AutoConfig, Cluster, Compute, Link, Workload, plan
-from lightning_paro.planner.measure import JobFigures, StepRecorder
+from lightning_paro.planner.measure import StepRecorder
 from lightning_paro.planner.replan import decide, replan
 from lightning_paro.strategy.options import OptionError
 
@@ -92,38 +93,35 @@ def _plan(memory_budget: float, compute: float | None = None) -> tuple:
     return plan(work, cluster, Compute(compute, memory_bandwidth=1e11), memory_budget), work
 
 
-def _figures(compute: float, activations: float, step: float = 1.0) -> JobFigures:
-    return JobFigures(compute, activations, step, 0.0, 0.0, 3)
-
-
-def test_replan_takes_the_measured_compute_and_activations_unless_given():
+def test_replan_takes_the_measured_compute_and_activations():
     start, _ = _plan(0.9)
-    new = replan(start, _figures(0.5, 2e8), memory_budget=0.9)
+    new = replan(start, 0.9, micro_step_seconds=0.5, activation_bytes=2e8, note="measured")
     assert new.compute.micro_step_seconds == 0.5 and new.workload.activation_bytes == 2e8
     assert all(c.prediction.memory.activations == 2e8 for c in new.candidates)
-    assert "re-planned with compute 500 ms per micro-step" in new.notes[-1]
-    kept = replan(start, _figures(0.5, 2e8), memory_budget=0.9, given_compute=True, given_activations=True)
+    assert new.notes[-1] == "measured"
+    kept = replan(start, 0.9)
     assert kept.compute.micro_step_seconds is None and kept.workload.activation_bytes is None
 
 
 def test_decide_switches_only_for_the_margin_or_when_the_strategy_in_use_does_not_fit():
-    new = replan(_plan(0.9)[0], _figures(0.05, 0.0), memory_budget=0.9)
+    new = replan(_plan(0.9)[0], 0.9, micro_step_seconds=0.05, activation_bytes=0.0)
     best = new.choice
     slowest = new.candidates[-1].strategy
     speedup = new.candidate(slowest).prediction.step_seconds / new.candidate(best).prediction.step_seconds
     assert speedup > 1.1  # the margin below is 0.1
-    d = decide(new, slowest, _figures(0.05, 0.0), margin=0.1)
+    d = decide(new, slowest, margin=0.1)
     assert d.switch_to == best and d.predicted_speedup == pytest.approx(speedup)
-    assert decide(new, slowest, _figures(0.05, 0.0), margin=speedup).switch_to is None  # below the margin asked
-    assert decide(new, best, _figures(0.05, 0.0), margin=0.0).switch_to is None
+    assert decide(new, slowest, margin=speedup).switch_to is None  # below the margin asked
+    assert decide(new, slowest, margin=math.inf).switch_to is None  # the fit check alone: it fits
+    assert decide(new, best, margin=0.0).switch_to is None
     # 100M fp32 parameters with Adam: NNN holds 16 B per parameter = 1.6 GB of model states; with 1.5 GB of
     # activations measured it needs more than 0.7 x 4 GB = 2.8 GB, so it must give way whatever the margin.
-    tight = replan(_plan(0.7)[0], _figures(0.05, 1.5e9), memory_budget=0.7)
+    tight = replan(_plan(0.7)[0], 0.7, micro_step_seconds=0.05, activation_bytes=1.5e9)
     assert not tight.candidate("NNN").fits
-    forced = decide(tight, "NNN", _figures(0.05, 1.5e9), margin=100.0)
+    forced = decide(tight, "NNN", margin=math.inf)
     assert forced.switch_to == tight.choice and "does not fit" in forced.reason
-    assert decide(tight, "NNN", _figures(0.05, 1.5e9, step=2 * tight.candidate("NNN").prediction.step_seconds),
-                  margin=0.0).measured_over_predicted == pytest.approx(2.0)
+    measured = 2 * tight.candidate("NNN").prediction.step_seconds
+    assert decide(tight, "NNN", 0.0, measured).measured_over_predicted == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("kwargs, option", [({"replan_after_steps": 1}, "replan_after_steps"),
@@ -177,5 +175,9 @@ def test_the_plan_keeps_every_figure_it_measured(replan_runs):
     assert "re-planned after 3 steps: measured" in log
     # the same figures on every rank
     assert all(result("measured", r)["activation_bytes"] == measured["activation_bytes"] for r in range(4))
+    early = result("early")
+    [switch] = early["switches"]
+    assert (switch["step"], switch["from"], switch["to"]) == (1, "NNN", "GGG") and "does not fit" in switch["reason"]
+    assert early["strategy"] == "GGG" and "measured on the first step" in "\n".join(early["notes"])
     off = result("off")
     assert off["switches"] == [] and "re-plan" not in "\n".join(off["notes"])

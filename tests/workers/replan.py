@@ -6,6 +6,8 @@ Usage: replan.py OUT_DIR. Four ranks in two groups of two. Jobs, in order:
   steps among NNN and GGG: it switches to GGG in place and trains to 4 steps.
 - ``first`` then ``resumed``: NNN for 2 steps, a full checkpoint, then GGG resumed from it to 4 steps (what the
   switch must equal, bit for bit).
+- ``early``: auto forced to start on NNN under a budget NNN fits without activations but not with the activations
+  TinyLM saves (measured here in one process first): the check after the first step switches to GGG.
 - ``measured``: auto with nothing given but the links, re-planned after 3 steps; records the figures it measured.
 - ``off``: auto with ``replan_after_steps=0``: no re-planner, no switch.
 
@@ -49,6 +51,31 @@ def budget_between_ggg_and_nnn() -> float:
     return (low + high) / 2
 
 
+def activation_bytes() -> float:
+    """What TinyLM's forward saves for backward on one micro-batch (parameters left out), measured in this process."""
+    from lightning_paro.planner.measure import StepRecorder
+
+    model = TinyLM()
+    recorder = StepRecorder(1, torch.device("cpu"), lambda: 0.0, lambda: (0.0, 0.0), set, skip=0)
+    (batch,) = next(iter(loader(BS, batch_size=BS)))
+    with recorder.forward():
+        loss = model.loss((batch,))
+    loss.backward()
+    return float(recorder.activation_bytes)
+
+
+def budget_nnn_fits_only_without_activations(acts: float) -> float:
+    """Bytes that NNN fits without activations and not with ``acts``, while GGG fits with them."""
+    model = TinyLM()
+    optimizer = model.configure_optimizers()["optimizer"]
+    work = workload_from_module(model, [optimizer], accumulation=ACC)
+    cluster = Cluster(world, GROUP, LINKS["intra"], LINKS["inter"], DEVICE_MEMORY)
+    ggg, nnn = (predict(s, work, cluster, _compute()).memory.total for s in ("GGG", "NNN"))
+    low = max(nnn, ggg + acts)
+    assert low < nnn + acts
+    return (low + nnn + acts) / 2
+
+
 def _compute():
     from lightning_paro.planner import Compute
 
@@ -86,6 +113,9 @@ run("switch", PaROStrategy(sharding="auto", group_size=GROUP, auto=forced), epoc
 ckpt = out / "nnn.ckpt"
 run("first", PaROStrategy(sharding="NNN", group_size=GROUP, state_dict_type="full"), epochs=1, save=str(ckpt))
 run("resumed", PaROStrategy(sharding="GGG", group_size=GROUP, state_dict_type="full"), epochs=2, resume=str(ckpt))
+early = AutoConfig(memory_budget=budget_nnn_fits_only_without_activations(activation_bytes()), first_plan="NNN",
+                   device_memory=DEVICE_MEMORY, strategies=("NNN", "GGG"), replan_after_steps=3, **LINKS)
+run("early", PaROStrategy(sharding="auto", group_size=GROUP, auto=early), epochs=2)
 run("measured", PaROStrategy(sharding="auto", group_size=GROUP,
                              auto=AutoConfig(replan_after_steps=3, **LINKS)), epochs=2)
 run("off", PaROStrategy(sharding="auto", group_size=GROUP, auto=AutoConfig(replan_after_steps=0, **LINKS)), epochs=1)
