@@ -10,7 +10,8 @@ The rail (inter-group) collectives built on it, which are also the hop between g
 reduce-scatter sends each slice of the buffer, quantized, to the rank that owns it (one all-to-all) and the owner sums
 the dequantized slices in fp32 with its own exact one, so the error does not compound hop by hop with the number of
 groups; an all-gather sends the quantized shard and every rank, the owner included, keeps the dequantized values (all
-ranks hold the same numbers); an all-reduce is the two.
+ranks hold the same numbers); an all-reduce is the two. The slices of all ranks are quantized, and dequantized, as
+the rows of one tensor.
 
 Error feedback (for gradients): a sender keeps what quantization left out of each slice it sent and adds it to the
 same slice of its next reduction (:func:`quantize_with_feedback`), so the errors of successive steps cancel instead of
@@ -39,40 +40,52 @@ def payload_bytes(numel: int) -> int:
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """``x`` (any floating dtype) as a uint8 payload of :func:`payload_bytes` bytes."""
-    return _quantize(x)[0]
-
-
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The payload of ``x`` and the fp32 values it stands for (what :func:`dequantize` gives back)."""
-    n = x.numel()
-    blocks = math.ceil(n / BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    rows = padded.view(blocks, BLOCK)
-    scale = rows.abs().amax(dim=1) / 127.0
-    q = torch.round(rows / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)).clamp_(-127, 127)
-    out = torch.empty(payload_bytes(n), dtype=torch.uint8, device=x.device)
-    out[:4 * blocks].view(torch.float32).copy_(scale)
-    out[4 * blocks:].view(torch.int8).copy_(q.view(-1)[:n])
-    return out, (q * scale.unsqueeze(1)).view(-1)[:n]
+    return quantize_rows(x.reshape(1, -1))[0].view(-1)
 
 
 def dequantize(payload: torch.Tensor, numel: int) -> torch.Tensor:
     """The fp32 values of a payload of ``numel`` elements."""
-    blocks = math.ceil(numel / BLOCK)
-    scale = payload[:4 * blocks].clone().view(torch.float32)  # a copy: a payload may start at any byte
-    values = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=payload.device)
-    values[:numel] = payload[4 * blocks:4 * blocks + numel].view(torch.int8)
-    return (values.view(blocks, BLOCK) * scale.unsqueeze(1)).view(-1)[:numel]
+    return dequantize_rows(payload.reshape(1, -1), numel).view(-1)
 
 
 def quantize_with_feedback(x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
     """The payload of ``x`` plus the ``error`` left by earlier sends (fp32, ``x``'s size), and ``error`` replaced by
     what this payload leaves out."""
-    target = x.to(torch.float32) + error
-    payload, sent = _quantize(target)
+    return quantize_rows_with_feedback(x.reshape(1, -1), error.view(1, -1)).view(-1)
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payload of each row of the 2-D ``rows`` (a uint8 row of :func:`payload_bytes` each) and the fp32 values
+    the payloads stand for (what :func:`dequantize_rows` gives back)."""
+    k, n = rows.shape
+    blocks = math.ceil(n / BLOCK)
+    padded = torch.zeros(k, blocks * BLOCK, dtype=torch.float32, device=rows.device)
+    padded[:, :n] = rows
+    grid = padded.view(k, blocks, BLOCK)
+    scale = grid.abs().amax(dim=2) / 127.0
+    q = torch.round(grid / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(2)).clamp_(-127, 127)
+    values = q.view(k, blocks * BLOCK)[:, :n].to(torch.int8).view(torch.uint8)
+    payloads = torch.cat([scale.view(torch.uint8), values], dim=1)
+    return payloads, (q * scale.unsqueeze(2)).view(k, blocks * BLOCK)[:, :n]
+
+
+def dequantize_rows(payloads: torch.Tensor, numel: int) -> torch.Tensor:
+    """The fp32 values of the payloads of ``numel`` elements in the rows of the 2-D ``payloads``, one row each."""
+    k = payloads.shape[0]
+    blocks = math.ceil(numel / BLOCK)
+    # a copy: a payload may start at any byte, and its scales are read as fp32
+    scale = payloads[:, :4 * blocks].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    values = torch.zeros(k, blocks * BLOCK, dtype=torch.float32, device=payloads.device)
+    values[:, :numel] = payloads[:, 4 * blocks:4 * blocks + numel].view(torch.int8)
+    return (values.view(k, blocks, BLOCK) * scale.unsqueeze(2)).view(k, blocks * BLOCK)[:, :numel]
+
+
+def quantize_rows_with_feedback(rows: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """:func:`quantize_with_feedback` for each row of the 2-D ``rows``, with ``error`` (fp32) of the same shape."""
+    target = rows.to(torch.float32) + error
+    payloads, sent = quantize_rows(target)
     torch.sub(target, sent, out=error)
-    return payload
+    return payloads
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group, ranks: int) -> None:
@@ -82,9 +95,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group, ranks: int) -> Non
     mine = quantize(shard)
     gathered = torch.empty(ranks * mine.numel(), dtype=torch.uint8, device=mine.device)
     compat.all_gather_single(gathered, mine, group=group)
-    p = mine.numel()
-    for r in range(ranks):
-        out[r * s:(r + 1) * s].copy_(dequantize(gathered[r * p:(r + 1) * p], s))
+    out[:ranks * s].view(ranks, s).copy_(dequantize_rows(gathered.view(ranks, mine.numel()), s))
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, index: int,
@@ -95,18 +106,26 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, ind
     s = out.numel()
     if error is not None and error.numel() != full.numel():
         raise ValueError(f"the error feedback buffer holds {error.numel()} elements, the reduced one {full.numel()}")
+    rows = full[:ranks * s].view(ranks, s)
+    peers = torch.cat([rows[:index], rows[index + 1:]])
+    if error is None:
+        payloads = quantize_rows(peers)[0]
+    else:
+        fed = error[:ranks * s].view(ranks, s)
+        peer_error = torch.cat([fed[:index], fed[index + 1:]])
+        payloads = quantize_rows_with_feedback(peers, peer_error)
+        fed[:index], fed[index + 1:] = peer_error[:index], peer_error[index:]
     # this rank's own slot travels empty: its slice is added exact, not from what comes back
-    send = torch.cat([torch.empty(payload_bytes(s), dtype=torch.uint8, device=full.device) if r == index else
-                      quantize(full[r * s:(r + 1) * s]) if error is None else
-                      quantize_with_feedback(full[r * s:(r + 1) * s], error[r * s:(r + 1) * s])
-                      for r in range(ranks)])
+    own = torch.empty(1, payload_bytes(s), dtype=torch.uint8, device=full.device)
+    send = torch.cat([payloads[:index], own, payloads[index:]]).view(-1)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    p = send.numel() // ranks
-    total = full[index * s:(index + 1) * s].to(torch.float32, copy=True)
+    received = dequantize_rows(recv.view(ranks, payload_bytes(s)), s)
+    total = rows[index].to(torch.float32, copy=True)
+    # one rank after another, in rank order: one sum over the ranks may add them in another order and round otherwise
     for r in range(ranks):
         if r != index:
-            total += dequantize(recv[r * p:(r + 1) * p], s)
+            total += received[r]
     out.copy_(total)
 
 
