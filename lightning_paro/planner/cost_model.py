@@ -177,7 +177,8 @@ def fastest_chunk_bytes(workload: Workload, cluster: Cluster, choices: tuple[int
     the bandwidth bound. Ties go to the smallest chunk (the finest overlap, the least memory in flight).
     """
     split = _split(workload)
-    nbytes = max(split.unit_params, split.unit_trainable, split.root_params) or workload.param_bytes
+    largest = max(split.unit_params, split.unit_trainable, split.root_params, split.root_trainable)
+    nbytes = largest or workload.param_bytes
     phases = grad_sync_phases(ShardingSpec.parse("NNN"), nbytes, cluster)
     best, best_t = choices[0], math.inf
     for chunk in choices:

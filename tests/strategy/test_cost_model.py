@@ -450,6 +450,21 @@ def test_the_fastest_chunk_grows_only_where_a_ring_of_many_groups_is_latency_bou
     assert fastest_chunk_bytes(Workload(1.07e7, 1.07e7, num_units=6, root_fraction=0.05), bench) == 2 * 2**20
 
 
+def test_the_fastest_chunk_is_sized_for_the_largest_buffer_root_gradients_included():
+    """bf16 parameters with fp32 gradients, 2M parameters, half of them in the root unit: the root's gradient is the
+    largest buffer a global collective moves (4 B x 1M = 4 MB; its parameters 2 MB, a unit's gradient 2 MB). On the
+    65B cluster a 4 MB all-reduce is fastest in 4 MiB chunks and a 2 MB one in 2 MiB chunks (by the phases' times)."""
+    _, c, _ = _llama(LLAMA_65B, 128, inter_gbit_per_rank=50)
+    wide = Workload(2e6, 2e6, num_units=2, root_fraction=0.5, param_bytes=2, grad_bytes=4)
+
+    def fastest_for(nbytes):
+        phases = grad_sync_phases(ShardingSpec.parse("NNN"), nbytes, c)
+        return min(CHUNK_CHOICES, key=lambda size: seconds(phases, dataclasses.replace(c, chunk_bytes=size)))
+
+    assert (fastest_for(4e6), fastest_for(2e6)) == (4 * 2**20, 2 * 2**20)
+    assert fastest_chunk_bytes(wide, c) == 4 * 2**20
+
+
 
 # ------------------------------------------------------------------------------ the choice, derived by hand
 # A cluster and a model small enough to time every strategy by hand (docs/auto.md, "The model"):
