@@ -76,10 +76,6 @@ SETTINGS = {
                                contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),
     "2x2-100m-a8-m106": Setting(2, 2, 100, 8, timed_steps=5, memory_budget=106e6,
                                 contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),
-    "2x2-100m-a1-m106": Setting(2, 2, 100, 1, timed_steps=5, memory_budget=106e6,
-                                contenders=("paro_ngg", "paro_igg", "paro_iig", "paro_gng", "paro")),
-    "2x2-1g-a1-m106": Setting(2, 2, 1000, 1, timed_steps=8, memory_budget=106e6,
-                              contenders=("paro_ngg", "paro_ggg", "paro_gng", "paro")),
 }
 MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64", "data.batch_size=1"]
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""

@@ -88,6 +88,8 @@ class StepTimer(L.Callback):
             "tokens_per_step": _whole(tokens_per_step),
             "tokens_per_s": round(tokens_per_step * steps / seconds, 1) if tokens_per_step and seconds > 0 else None,
             "step_seconds": round(seconds / steps, 4) if steps > 0 else None,
+            "each_step_seconds": [round(self.marks[k + 1] - self.marks[k], 4) for k in range(self.warmup, last)
+                                  if k in self.marks and k + 1 in self.marks],
             "accumulating_micro_step_s": (round(statistics.median(self.accumulating), 5) if self.accumulating
                                           else None),
             "accumulating_micro_step_mean_s": (round(float(ranks[:, 3].mean()), 5) if self.accumulating
