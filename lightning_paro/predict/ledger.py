@@ -12,67 +12,26 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Sequence, Union
 
 from lightning_paro.predict.db import POSTGRES, Database
-
-log = logging.getLogger(__name__)
-
-TODO, LEASED, COMMITTED, POISONED, SPLIT = "todo", "leased", "committed", "poisoned", "split"
-
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS paro_predict_jobs (
-        job TEXT PRIMARY KEY,
-        num_rows BIGINT NOT NULL,
-        shard_size BIGINT NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL
-    )""",
-    """CREATE TABLE IF NOT EXISTS paro_predict_shards (
-        job TEXT NOT NULL,
-        shard_id BIGINT NOT NULL,
-        start_row BIGINT NOT NULL,
-        end_row BIGINT NOT NULL,
-        state TEXT NOT NULL,
-        owner TEXT,
-        lease_expires DOUBLE PRECISION,
-        leased_at DOUBLE PRECISION,
-        spec_owner TEXT,
-        spec_expires DOUBLE PRECISION,
-        attempts INTEGER NOT NULL DEFAULT 0,
-        parent BIGINT,
-        rows_written BIGINT,
-        rows_failed BIGINT,
-        file TEXT,
-        error TEXT,
-        committed_at DOUBLE PRECISION,
-        committed_by TEXT,
-        PRIMARY KEY (job, shard_id)
-    )""",
-    """CREATE TABLE IF NOT EXISTS paro_predict_workers (
-        job TEXT NOT NULL,
-        owner TEXT NOT NULL,
-        host TEXT,
-        pid BIGINT,
-        started_at DOUBLE PRECISION,
-        last_seen DOUBLE PRECISION,
-        PRIMARY KEY (job, owner)
-    )""",
-    # the units of a job over a sharded source, as JSON [[unit id, rows, fingerprint], ...]; absent for a job
-    # over a dataset's index space (a table of its own, so ledgers created before it still open)
-    """CREATE TABLE IF NOT EXISTS paro_predict_inputs (
-        job TEXT PRIMARY KEY,
-        units TEXT NOT NULL
-    )""",
-    # a lease, a renewal and the done check look up the few shards in one state (the first todo shard in row
-    # order, the leased ones) through this index, so their cost does not grow with the shards already committed
-    """CREATE INDEX IF NOT EXISTS paro_predict_shards_by_state
-        ON paro_predict_shards (job, state, start_row, shard_id)""",
+from lightning_paro.predict.ledger_tables import (  # the states and ShardRecord: imported through here too
+    COMMITTED,
+    LAST_SCHEMA_OBJECT,
+    LEASED,
+    POISONED,
+    SCHEMA,
+    SHARD_COLUMNS,
+    SHARD_FIELDS,
+    SHARD_INSERT_COLUMNS,
+    SPLIT,
+    TODO,
+    ShardRecord,
 )
 
-_LAST_SCHEMA_OBJECT = "paro_predict_shards_by_state"
-_SHARD_INSERT_COLUMNS = ("job", "shard_id", "start_row", "end_row", "state", "attempts")
+log = logging.getLogger(__name__)
 
 
 class JobMismatchError(RuntimeError):
@@ -115,46 +74,6 @@ class CommitResult(Enum):
     """The shard was split or poisoned meanwhile: this output must not become visible."""
 
 
-@dataclass(frozen=True)
-class ShardRecord:
-    """One row of the shard table, as read back for progress, manifests and tests."""
-
-    shard_id: int
-    """The shard's id."""
-    start_row: int
-    """First row (inclusive)."""
-    end_row: int
-    """One past the last row."""
-    state: str
-    """todo, leased, committed, poisoned or split."""
-    owner: Optional[str]
-    """The worker holding (or last holding) the primary lease."""
-    lease_expires: Optional[float]
-    """When the primary lease runs out (Unix seconds)."""
-    attempts: int
-    """Number of primary leases handed out."""
-    rows_written: Optional[int]
-    """Rows in the committed file."""
-    rows_failed: Optional[int]
-    """Rows isolated as poison (errors file) for committed shards, or all rows of a poisoned shard."""
-    file: Optional[str]
-    """The committed output file, relative to the output directory."""
-    error: Optional[str]
-    """Why a shard was poisoned."""
-    committed_at: Optional[float]
-    """When it was committed (Unix seconds)."""
-    committed_by: Optional[str]
-    """The worker whose commit won."""
-
-    @property
-    def num_rows(self) -> int:
-        return self.end_row - self.start_row
-
-
-_SHARD_FIELDS = tuple(f.name for f in fields(ShardRecord))
-_SHARD_COLUMNS = ", ".join(_SHARD_FIELDS)
-
-
 def describe_input_change(stored: list, given: list, limit: int = 3) -> str:
     """What differs between two unit lists (``[[id, rows, fingerprint], ...]``), in a few words; "" if nothing."""
     old = {u[0]: (int(u[1]), str(u[2])) for u in stored}
@@ -188,10 +107,10 @@ class Ledger:
         self.clock = clock
         try:
             with self.db.transaction(None) as tx:
-                if self.db.dialect is POSTGRES and tx.fetchone(f"SELECT to_regclass('{_LAST_SCHEMA_OBJECT}')")[0]:
+                if self.db.dialect is POSTGRES and tx.fetchone(f"SELECT to_regclass('{LAST_SCHEMA_OBJECT}')")[0]:
                     # already there: CREATE INDEX IF NOT EXISTS would still lock the shard table against writes
                     return
-                for statement in _SCHEMA:
+                for statement in SCHEMA:
                     tx.execute(statement)
         except BaseException:
             self.db.close()
@@ -245,7 +164,7 @@ class Ledger:
             # one bulk insert in the same transaction (COPY on PostgreSQL): 100,000 shards in about a second
             tx.insert_rows(
                 "paro_predict_shards",
-                _SHARD_INSERT_COLUMNS,
+                SHARD_INSERT_COLUMNS,
                 ((self.job, i, start, end, TODO, 0) for i, (start, end) in enumerate(ranges)),
             )
         self._refresh_statistics()
@@ -457,7 +376,7 @@ class Ledger:
 
     def shards(self, states: Optional[tuple[str, ...]] = None) -> list[ShardRecord]:
         """All shards of the job (optionally only those in ``states``), ordered by first row."""
-        sql = f"SELECT {_SHARD_COLUMNS} FROM paro_predict_shards WHERE job = ?"
+        sql = f"SELECT {SHARD_COLUMNS} FROM paro_predict_shards WHERE job = ?"
         params: list = [self.job]
         if states:
             sql += " AND state IN (" + ", ".join("?" for _ in states) + ")"
@@ -465,7 +384,7 @@ class Ledger:
         rows = self.db.query(sql + " ORDER BY start_row, shard_id", params)
         # a status read of a 100,000-shard job builds 100,000 records: filled in one step each, not field by field
         # through the frozen dataclass's __init__ (the drivers return ints for the integer columns)
-        make, fill, names = object.__new__, object.__setattr__, _SHARD_FIELDS
+        make, fill, names = object.__new__, object.__setattr__, SHARD_FIELDS
         records = []
         for r in rows:
             record = make(ShardRecord)
