@@ -102,6 +102,10 @@ class AutoConfig:
                 raise OptionError("strategies", "strategies must name at least one strategy, or be None for all 14.")
         if self.first_plan is not None:
             object.__setattr__(self, "first_plan", _strategy_name(self.first_plan, "first_plan"))
+            if self.strategies is not None and self.first_plan not in self.strategies:
+                raise OptionError("first_plan", f"first_plan {self.first_plan} is not among strategies"
+                                                f" ({', '.join(self.strategies)}): the re-plan compares it with them;"
+                                                " add it to strategies.")
         if not is_count(self.probe_bytes, 1):
             raise OptionError("probe_bytes", f"probe_bytes must be a positive number of bytes, got {self.probe_bytes!r}.")
 

@@ -1,19 +1,27 @@
 """Changing a running job's strategy in memory (``sharding="auto"``'s switch after a re-plan).
 
-The model and optimizer states leave the old engine's shards the way a full checkpoint saves them and enter the new
-engine's the way a full checkpoint loads them (the same functions), so a switch gives the result, bit for bit, of
-saving under the old strategy and resuming under the new one. The full states are staged in host memory, one unit
-gathered at a time on the device, as a full checkpoint is.
+The module gets its full parameters back from the old engine and a new engine shards it at the new levels, as at
+set-up; the optimizer states (and a separate fp32 master) move from the old optimizer-state level to the new one
+buffer by buffer: a slice of the shard a rank holds when the new level is finer or the same (nothing is sent), an
+all-gather over the scope the transition table names when it is coarser. The flat layout does not depend on the
+strategy (every buffer is padded to a multiple of the world size), so a level's range of a buffer is the same under
+both engines. The values are those a sharded checkpoint saved under the old strategy and resumed under the new one
+carries, bit for bit.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 from torch.optim import Optimizer
 
-from lightning_paro.strategy.checkpoint import full_optimizer_state, load_full_model_state, load_full_optimizer_state
+from lightning_paro.strategy import transitions
+from lightning_paro.strategy.checkpoint import init_optimizer_state
 from lightning_paro.strategy.engine import PaROEngine
+from lightning_paro.strategy.flat import FlatGroup
+from lightning_paro.strategy.layout import ShardLayout
+from lightning_paro.strategy.levels import Level
 
 
 def reshard(engine: PaROEngine, build: Callable[[list[Optimizer]], PaROEngine]) -> PaROEngine:
@@ -22,21 +30,80 @@ def reshard(engine: PaROEngine, build: Callable[[list[Optimizer]], PaROEngine]) 
 
     Call between optimizer steps, with no gradient accumulated: accumulated gradients are not carried over. The
     optimizers stay the same objects (a learning-rate scheduler keeps working): their parameter groups point at the
-    module's parameters again while the new engine is built, and their states are loaded into its shards.
+    module's parameters again while the new engine is built, and their states are then moved into its shards.
     """
-    module = engine.module
-    model_state = engine.full_state_dict()
-    optimizer_states = [full_optimizer_state(engine, i) for i in range(len(engine.optimizers))]
-    optimizers, names = engine.optimizers, engine.original_param_groups
-    engine.restore_module()
+    carried = [_optimizer_side(engine, f) for f in engine.flat_groups()]
+    optimizers, names, module = engine.optimizers, engine.original_param_groups, engine.module
+    engine.restore_module()  # the module's parameters, full and exact, are what the new engine shards
     params = dict(module.named_parameters(remove_duplicate=False))
     for optimizer, groups in zip(optimizers, names):
         optimizer.state.clear()
         for group, group_names in zip(optimizer.param_groups, groups):
             group["params"] = [params[name] for name in group_names]
     new = build(optimizers)
-    load_full_model_state(new, model_state)  # in the order a resume from a full checkpoint loads them
-    new.after_load()
-    for index, state in enumerate(optimizer_states):
-        load_full_optimizer_state(new, index, state)
+    for index in range(len(optimizers)):
+        init_optimizer_state(new, index)
+    new_flats = new.flat_groups()
+    if [_signature(f) for f in new_flats] != [c["signature"] for c in carried]:
+        raise RuntimeError("Resharding: the new engine's flat buffers differ from the old one's (a different unit"
+                           " policy or optimizer set-up); the strategy cannot be switched in place.")
+    with torch.no_grad():
+        for old, f in zip(carried, new_flats):
+            if old["master"] is None and not old["state"]:
+                continue
+            move = _mover(old["level"], f.spec.optim, f.layout, new.comm)
+            if old["master"] is not None and f.master.data_ptr() != f.own_param_slot.data_ptr():
+                f.master.copy_(move(old["master"]))
+            state = _optimizer_of(new, f).state[f.master]
+            for key, value in old["state"].items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old["shard_numel"]:
+                    state[key].copy_(move(value))
+                elif torch.is_tensor(value) and torch.is_tensor(state.get(key)):
+                    state[key].copy_(value)
+                else:
+                    state[key] = value
     return new
+
+
+def _signature(f: FlatGroup) -> tuple:
+    return tuple(s.name for s in f.slots), f.layout.numel, f.trainable, f.dtype
+
+
+def _optimizer_side(engine: PaROEngine, f: FlatGroup) -> dict[str, Any]:
+    """What of one flat buffer moves to the new engine: its optimizer-state level, a separate master and the
+    optimizer's state tensors (references: the old engine is not used after this)."""
+    out: dict[str, Any] = {"signature": _signature(f), "level": f.spec.optim, "master": None, "state": {},
+                           "shard_numel": f.layout.shard_numel(f.spec.optim)}
+    if not f.trainable:
+        return out
+    if f.master.data_ptr() != f.own_param_slot.data_ptr():
+        out["master"] = f.master.detach()
+    for opt in engine.optimizers:
+        if f.master in opt.state:
+            out["state"] = dict(opt.state[f.master])
+    return out
+
+
+def _optimizer_of(engine: PaROEngine, f: FlatGroup) -> Optimizer:
+    for opt in engine.optimizers:
+        for group in opt.param_groups:
+            if any(p is f.master for p in group["params"]):
+                return opt
+    raise RuntimeError(f"Resharding: no optimizer holds the master of {f.slots[0].name!r}.")
+
+
+def _mover(old: Level, new: Level, layout: ShardLayout, comm) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function from a buffer's shard at level ``old`` to its shard at level ``new`` (collective when ``new`` is
+    coarser: the transition table's gather from ``old`` to ``new``)."""
+    o0, _ = layout.range(old)
+    n0, n1 = layout.range(new)
+    if new.degree(layout.group_size, layout.world_size) >= old.degree(layout.group_size, layout.world_size):
+        return lambda shard: shard[n0 - o0:n1 - o0]  # the same or a finer level: a slice of what this rank holds
+    (gather,) = transitions.optim_to_params(old, new)  # a shard widened to a coarser level: one all-gather
+
+    def widen(shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(n1 - n0, dtype=shard.dtype, device=shard.device)
+        comm.all_gather(out, shard.contiguous(), gather.scope)
+        return out
+
+    return widen

@@ -128,11 +128,12 @@ def test_decide_switches_only_for_the_margin_or_when_the_strategy_in_use_does_no
                                             ({"replan_margin": -0.1}, "replan_margin"),
                                             ({"first_plan": "XYZ"}, "first_plan"),
                                             ({"strategies": ("NNN", "ABC")}, "strategies"),
+                                            ({"first_plan": "GGG", "strategies": ("NNN",)}, "first_plan"),
                                             ({"memory_bandwidth": 0}, "memory_bandwidth")])
 def test_replan_options_are_checked(kwargs, option):
     with pytest.raises(OptionError, match=option):
         AutoConfig(**kwargs)
-    assert AutoConfig(first_plan="ngg", strategies=["nnn", "GGG"]).strategies == ("NNN", "GGG")
+    assert AutoConfig(first_plan="ggg", strategies=["nnn", "GGG"]).strategies == ("NNN", "GGG")
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +161,21 @@ def test_switch_in_place_equals_saving_and_resuming_under_the_new_strategy(repla
         assert "NNN does not fit" in switch["reason"] and switch["seconds"] > 0
     a, b = weights("switch"), weights("resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("label, first, then", [("widen", "GGG", "NNN"), ("rail", "IIG", "NII")])
+def test_a_switch_to_coarser_levels_gathers_and_equals_saving_and_resuming(replan_runs, label, first, then):
+    """GGG -> NNN (parameters and optimizer states gathered over all ranks) and IIG -> NII (parameters over the group,
+    optimizer states over the rail between groups): the same losses and weights as the save/resume path."""
+    result, weights, _ = replan_runs
+    for rank in range(4):
+        switched = result(f"{label}-switch", rank)
+        [switch] = switched["switches"]
+        assert (switch["step"], switch["from"], switch["to"]) == (2, first, then)
+        assert switched["losses"] == result(f"{label}-first", rank)["losses"] + result(f"{label}-resumed", rank)["losses"]
+    a, b = weights(f"{label}-switch"), weights(f"{label}-resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.timeout(480)

@@ -9,6 +9,9 @@ Usage: replan.py OUT_DIR. Four ranks in two groups of two. Jobs, in order:
 - ``early``: auto forced to start on NNN under a budget NNN fits without activations but not with the activations
   TinyLM saves (measured here in one process first): the check after the first step switches to GGG.
 - ``measured``: auto with nothing given but the links, re-planned after 3 steps; records the figures it measured.
+- ``widen-*`` and ``rail-*``: GGG forced first among GGG and NNN, IIG among IIG and NII, with no margin: the re-plan
+  after 2 steps switches to the faster one, so the parameters and optimizer states move to coarser levels (a global
+  and an inter-group gather); each against its own save/resume pair.
 - ``off``: auto with ``replan_after_steps=0``: no re-planner, no switch.
 
 Per job and rank: OUT_DIR/ID.RANK.json (losses, the strategy at the end, switches, the plan's notes and figures);
@@ -118,5 +121,13 @@ early = AutoConfig(memory_budget=budget_nnn_fits_only_without_activations(activa
 run("early", PaROStrategy(sharding="auto", group_size=GROUP, auto=early), epochs=2)
 run("measured", PaROStrategy(sharding="auto", group_size=GROUP,
                              auto=AutoConfig(replan_after_steps=3, **LINKS)), epochs=2)
+for label, first, then in (("widen", "GGG", "NNN"), ("rail", "IIG", "NII")):
+    config = AutoConfig(first_plan=first, strategies=(first, then), replan_after_steps=2, replan_margin=0.0, **LINKS)
+    run(f"{label}-switch", PaROStrategy(sharding="auto", group_size=GROUP, auto=config), epochs=2)
+    saved = out / f"{label}.ckpt"
+    run(f"{label}-first", PaROStrategy(sharding=first, group_size=GROUP, state_dict_type="full"), epochs=1,
+        save=str(saved))
+    run(f"{label}-resumed", PaROStrategy(sharding=then, group_size=GROUP, state_dict_type="full"), epochs=2,
+        resume=str(saved))
 run("off", PaROStrategy(sharding="auto", group_size=GROUP, auto=AutoConfig(replan_after_steps=0, **LINKS)), epochs=1)
 print("done", rank)

@@ -1,0 +1,131 @@
+"""Score ``sharding="auto"`` on the training benchmark's settings by the criterion of ``choice.py``.
+
+For every setting with results (``bench/results/train/<setting>.json``, written by ``run.py``):
+
+* the fixed PaRO strategies' measured tokens/s (each row the run of median tokens/s);
+* which of them fit the setting's memory budget: every one without a budget; with one, those whose memory, as the
+  plan of ``auto``'s median run predicts it with the activations that run measured, is within the budget. Beside
+  it the table shows each strategy's measured footprint (its model-state bytes and gathered-parameter peak from its
+  own run, plus the measured activations), which must agree;
+* ``auto``'s pick (the strategy in use at the end of its run) and its own tokens/s with its start-up plan (probes)
+  and any switch made before the timed window added to the window's time, so the probe, the plan and every switch
+  are paid for.
+
+Then ``auto``, "always NNG", "always the lowest-memory strategy that fits" and the best fitting strategy (an oracle)
+are scored, and the results set is checked to be one where the choice matters. Writes
+``bench/results/train/auto.md`` and ``auto.json``.
+
+Usage: ``python bench/train/auto_report.py [--settings a,b,...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from choice import SettingResult, always, best_fitting, choice_matters, lowest_memory_that_fits, score  # noqa: E402
+from run import RESULTS, SETTINGS  # noqa: E402
+
+
+def auto_tokens_per_s(row: dict) -> float:
+    """``auto``'s tokens/s over the timed steps, with its start-up plan and any switch made before the window
+    counted in the time (a switch inside the window is in it already)."""
+    auto = row.get("auto", {})
+    outside = sum(s["seconds"] for s in auto.get("switches", []) if s["step"] <= row["timed_steps_from"])
+    seconds = row["seconds"] + auto.get("plan_seconds", 0.0) + outside
+    return row["tokens_per_step"] * row["timed_steps"] / seconds
+
+
+def load(name: str) -> tuple[SettingResult, dict] | None:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    rows = {r["system"]: r for r in data["rows"] if "error" not in r}
+    auto = rows.get("paro")
+    if auto is None or "auto" not in auto:
+        return None
+    tokens = {s[len("paro_"):].upper(): float(r["tokens_per_s"]) for s, r in rows.items()
+              if s.startswith("paro_") and r.get("tokens_per_s")}
+    warmup = 1
+    runs = []
+    for run in auto.get("runs", [auto]):
+        run = {**run, "timed_steps_from": warmup}
+        runs.append((auto_tokens_per_s(run), run))
+    runs.sort(key=lambda x: x[0])
+    own, median_run = runs[len(runs) // 2]
+    plan = median_run["auto"]
+    predicted = plan.get("predicted_memory_bytes", {})
+    budget = data.get("memory_budget")
+    fits = set(tokens) if budget is None else {s for s in tokens if predicted.get(s, float("inf")) <= budget}
+    activations = plan.get("activation_bytes") or 0.0
+    measured = {}
+    for s, r in rows.items():
+        if s.startswith("paro_") and r.get("model_state_bytes_max_rank") is not None:
+            measured[s[len("paro_"):].upper()] = (r["model_state_bytes_max_rank"] + (r.get("gathered_peak_bytes_rank0")
+                                                                                     or 0) + activations)
+    setting = SettingResult(name, tokens, frozenset(fits), {s: predicted.get(s, float("inf")) for s in tokens})
+    extra = {"auto_tokens_per_s": own, "auto_pick": plan.get("in_use") or plan.get("choice"),
+             "auto_runs": [round(t, 1) for t, _ in runs], "auto_picks": [r["auto"].get("in_use") for _, r in runs],
+             "switches": [r["auto"].get("switches", []) for _, r in runs], "budget": budget,
+             "measured_footprint": measured, "predicted_memory": predicted, "activations": activations,
+             "plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2) for _, r in runs]}
+    return setting, extra
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    args = ap.parse_args()
+    loaded = {n: load(n) for n in args.settings.split(",")}
+    results = [v[0] for v in loaded.values() if v]
+    extras = {n: v[1] for n, v in loaded.items() if v}
+    pickers = {"auto": (lambda s: extras[s.name]["auto_pick"]), "always NNG": always("NNG"),
+               "always the lowest-memory strategy that fits": lowest_memory_that_fits,
+               "the best fitting strategy (oracle)": best_fitting}
+    scores = {}
+    for label, picker in pickers.items():
+        own = {n: e["auto_tokens_per_s"] for n, e in extras.items()} if label == "auto" else None
+        scores[label] = score(results, picker, own_tokens_per_s=own)
+    lines = ["| setting | budget | fitting (measured tokens/s) | best | auto's picks | auto tokens/s (runs) | auto / best |"
+             " always NNG / best |", "|---|---|---|---|---|---|---|---|"]
+    for s in results:
+        e = extras[s.name]
+        fitting = ", ".join(f"{k} {s.tokens_per_s[k]:.0f}" for k in sorted(s.fits, key=lambda k: -s.tokens_per_s[k]))
+        budget = f"{e['budget'] / 1e6:.0f} MB" if e["budget"] else "-"
+        nng = f"{s.tokens_per_s['NNG'] / s.tokens_per_s[s.best]:.2f}" if "NNG" in s.fits else "does not fit"
+        lines.append(f"| {s.name} | {budget} | {fitting} | {s.best} | {', '.join(map(str, e['auto_picks']))} |"
+                     f" {e['auto_tokens_per_s']:.1f} ({', '.join(map(str, e['auto_runs']))}) |"
+                     f" {e['auto_tokens_per_s'] / s.tokens_per_s[s.best]:.2f} | {nng} |")
+    lines += ["", f"The choice matters in this set: {'yes' if choice_matters(results) else 'no'} ({len(results)}"
+              f" settings; best other than NNG in {sum(s.best != 'NNG' for s in results)}:"
+              f" {', '.join(sorted({s.best for s in results if s.best != 'NNG'}))}).", ""]
+    for label, sc in scores.items():
+        lines.append(f"- {label}: {'passes' if sc.passed else 'fails'}: {sc.reason}"
+                     + (f" Misses: {', '.join(sc.misses)}." if sc.misses else ""))
+    footprint = ["", "| setting | strategy | predicted memory (MB) | measured: model states + gathered peak +"
+                     " activations (MB) | fits |", "|---|---|---|---|---|"]
+    for s in results:
+        e = extras[s.name]
+        if not e["budget"]:
+            continue
+        for k in sorted(s.tokens_per_s):
+            m = e["measured_footprint"].get(k)
+            footprint.append(f"| {s.name} | {k} | {e['predicted_memory'].get(k, float('nan')) / 1e6:.1f} |"
+                             f" {m / 1e6:.1f} | {'yes' if k in s.fits else 'no'} |" if m is not None else "")
+    text = "\n".join(lines + footprint)
+    (RESULTS / "auto.md").write_text(text + "\n")
+    (RESULTS / "auto.json").write_text(json.dumps({
+        "settings": {s.name: {"tokens_per_s": dict(s.tokens_per_s), "fits": sorted(s.fits), "best": s.best,
+                              **extras[s.name]} for s in results},
+        "scores": {k: {"passed": v.passed, "reason": v.reason, "picks": dict(v.picks), "misses": list(v.misses)}
+                   for k, v in scores.items()},
+        "choice_matters": choice_matters(results)}, indent=2))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
