@@ -105,10 +105,11 @@ class StepRecorder:
 
     The first ``skip`` steps are not timed (they allocate buffers, build autograd's graph caches and run the first
     gathers); activations are counted from the first micro-step on (:attr:`activation_bytes`), so a plan that does
-    not fit them can be corrected after the first step. A micro-step's compute time is the training thread's CPU time where compute runs on that thread alone
-    (CPU with one intra-op thread: waiting for a collective costs no CPU time, and time taken by other processes on
-    the same cores is not counted, as the cost model's overlap expects); elsewhere it is wall time less the time spent
-    waiting for collectives (``waited``), with the device synchronized at both ends.
+    not fit them can be corrected after the first step. A micro-step's compute time is the training thread's CPU
+    time where compute runs on that thread alone (CPU with one intra-op thread: waiting for a collective costs no
+    CPU time, and time taken by other processes on the same cores is not counted, as the cost model's overlap
+    expects); elsewhere it is wall time less the time spent waiting for collectives (``waited``), with the device
+    synchronized at both ends.
 
     Args:
         steps: optimizer steps to measure.

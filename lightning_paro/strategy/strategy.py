@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import time
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -32,7 +31,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -43,9 +42,9 @@ from lightning_paro.comm.accounting import TrafficMeter
 from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator, comm_thread, run_on_comm_thread
 from lightning_paro.comm.ho_ring import HORingConfig
 from lightning_paro.comm.topology import Topology
-from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memory_bytes, format_plan, plan_for_job
-from lightning_paro.planner.job import JobReplanner
+from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memory_bytes
 from lightning_paro.planner.replan import Switch
+from lightning_paro.strategy.auto_session import AutoSession
 from lightning_paro.strategy import checkpoint as ckpt
 from lightning_paro.strategy.engine import Mode, PaROEngine
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
@@ -122,18 +121,10 @@ class PaROStrategy(ParallelStrategy):
                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, inter_quant=inter_quant,
                                    error_feedback=error_feedback)
         """The options as given (validated)."""
-        self._auto = self.options.is_auto
         self.sharding: Optional[ShardingSpec] = self.options.spec
         """The strategy in use (chosen at set-up when ``sharding="auto"``)."""
-        self._auto_config = self.options.auto_config
-        self.auto_plan: Optional[Plan] = None
-        """With ``sharding="auto"``: the candidate table, the choice and every figure it used (the latest plan: the
-        re-plan's once made)."""
-        self.auto_switches: list[Switch] = []
-        """With ``sharding="auto"``: the strategy switches made in place during fit (step, strategies, reason, cost)."""
-        self._replanner: Optional[JobReplanner] = None
-        self.auto_plan_seconds = 0.0
-        """With ``sharding="auto"``: seconds the start-up plan took (probes and planning)."""
+        self._auto_session: Optional[AutoSession] = (AutoSession(self.options.auto_config)
+                                                      if self.options.is_auto else None)
         self.gather = self.options.gather_config
         self._group_size = group_size
         self._chunk_bytes = chunk_bytes
@@ -263,7 +254,7 @@ class PaROStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             check_one_optimizer(self.optimizers)
-        if self._auto and (self.auto_plan is None or fitting):
+        if self._auto_session is not None and (self.auto_plan is None or fitting):
             self._plan_sharding(trainer, fitting)
         assert self.lightning_module is not None
         if fitting or self.engine is None or not self.engine.holds(self.lightning_module):
@@ -275,7 +266,13 @@ class PaROStrategy(ParallelStrategy):
         assert self.engine is not None
         self._manual = ManualSteps(self.engine) if fitting and not self.lightning_module.automatic_optimization \
             else None
-        self._replanner = self._start_replanner() if fitting else None
+        if fitting and self._auto_session is not None:
+            comm, meter = self._comm, self.meter
+            assert comm is not None and self.sharding is not None
+            self._auto_session.start_fit(self.sharding.name, self.root_device, waited=lambda: comm.waited_seconds,
+                                         traffic=lambda: _sent(meter), module=self.lightning_module,
+                                         group=self.topology.groups.world, prefetch=self._prefetch,
+                                         manual=self._manual is not None)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -284,68 +281,43 @@ class PaROStrategy(ParallelStrategy):
         """``sharding="auto"``: probe the links and memory, run the cost model, take the fastest strategy that fits
         (collective: every rank measures, all agree)."""
         raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
-        assert self.lightning_module is not None
-        started = time.perf_counter()
-        result = plan_for_job(self.lightning_module, raw, self.topology, self.root_device,
-                              accumulation=trainer.accumulate_grad_batches if fitting else 1,
-                              ranks_on_host=self.num_processes, units=self._units, prefetch=self._prefetch,
-                              config=self._auto_config, chunk_bytes=self._chunk_bytes,
-                              comm=self.options.comm_dtypes)
-        first = self._auto_config.first_plan
-        if result.choice is None and first is None:
-            raise RuntimeError(f"sharding='auto' found no strategy that fits: {result.reason}")
-        self.sharding = ShardingSpec.parse(self.broadcast(first or result.choice))
-        self.auto_plan = result
-        self.auto_plan_seconds = time.perf_counter() - started
-        forced = f" (AutoConfig.first_plan; the plan's choice: {result.choice})" if first else ""
-        rank_zero_info(f"PaRO sharding='auto' chose {self.sharding.name}{forced}\n{format_plan(result)}")
+        assert self.lightning_module is not None and self._auto_session is not None
+        name = self._auto_session.plan_at_setup(
+            self.lightning_module, raw, self.topology, self.root_device,
+            accumulation=trainer.accumulate_grad_batches if fitting else 1, ranks_on_host=self.num_processes,
+            units=self._units, prefetch=self._prefetch, chunk_bytes=self._chunk_bytes, comm=self.options.comm_dtypes,
+            broadcast=self.broadcast)
+        self.sharding = ShardingSpec.parse(name)
 
-    def _start_replanner(self) -> Optional[JobReplanner]:
-        """``sharding="auto"`` in fit: measure the first optimizer steps and plan again (off with
-        ``AutoConfig(replan_after_steps=0)``, and under manual optimization, whose steps the strategy does not see)."""
-        config = self._auto_config
-        if not self._auto or self.auto_plan is None or not config.replan_after_steps or self._manual is not None:
-            return None
-        assert self.engine is not None and self._comm is not None and self.sharding is not None
-        comm, module = self._comm, self.lightning_module
-        return JobReplanner(
-            config, self.auto_plan, self.sharding.name, self.root_device, waited=lambda: comm.waited_seconds,
-            traffic=lambda: _sent(self.meter), prefetch=self._prefetch, group=self.topology.groups.world,
-            excluded_storages=lambda: {p.untyped_storage().data_ptr() for p in module.parameters()})
-
-    def _replan_after_step(self) -> None:
-        """After an optimizer step: feed the re-planner, and switch strategy in place when its decision says so."""
-        planner = self._replanner
-        if planner is None:
-            return
-        decision = planner.end_step()
-        if decision is not None:
-            step = self.lightning_module.trainer.global_step + 1  # the step just made is not counted yet
-            self.auto_plan = planner.plan
-            measured = "" if planner.figures is None else (
-                f" measured {planner.figures.step_seconds:.4g} s per optimizer step under {planner.current},"
-                f" {decision.measured_over_predicted:.2f}x the re-plan's prediction for it.")
-            steps = f"{step} step{'s' if step != 1 else ''}"
-            rank_zero_info(f"PaRO sharding='auto' re-planned after {steps}:{measured} {decision.reason}\n"
-                           f"{format_plan(planner.plan)}")
-            if decision.switch_to is not None:
-                self._switch_strategy(decision.switch_to, decision.reason, step)
-                planner.current = decision.switch_to
-        if planner.finished:
-            self._replanner = None
-
-    def _switch_strategy(self, name: str, reason: str, step: int) -> None:
+    def _switch_strategy(self, name: str) -> None:
         """Reshard the model and optimizer states in memory to the levels of ``name`` (collective)."""
-        assert self.engine is not None and self.sharding is not None
-        previous = self.sharding.name
-        started = time.perf_counter()
+        assert self.engine is not None
         self.sharding = ShardingSpec.parse(name)
         self.engine = reshard(self.engine, self._new_engine)
         self._attach_engine()
-        seconds = time.perf_counter() - started
-        self.auto_switches.append(Switch(step, previous, name, reason, seconds))
-        rank_zero_info(f"PaRO sharding='auto' switched from {previous} to {name} after step {step} in"
-                       f" {seconds:.3g} s: {reason}")
+
+    # ``sharding="auto"``'s record (strategy/auto_session.py)
+    @property
+    def auto_plan(self) -> Optional[Plan]:
+        """With ``sharding="auto"``: the candidate table, the choice and every figure it used (the latest plan: the
+        re-plan's once made)."""
+        return self._auto_session.plan if self._auto_session is not None else None
+
+    @auto_plan.setter
+    def auto_plan(self, plan: Optional[Plan]) -> None:
+        if self._auto_session is None:
+            raise ValueError("auto_plan belongs to sharding='auto'.")
+        self._auto_session.plan = plan
+
+    @property
+    def auto_switches(self) -> list[Switch]:
+        """With ``sharding="auto"``: the strategy switches made in place during fit (step, strategies, reason, cost)."""
+        return self._auto_session.switches if self._auto_session is not None else []
+
+    @property
+    def auto_plan_seconds(self) -> float:
+        """With ``sharding="auto"``: seconds the start-up plan took (probes and planning)."""
+        return self._auto_session.plan_seconds if self._auto_session is not None else 0.0
 
     def _build_engine(self, optimizers: list[Optimizer]) -> None:
         if self.engine is not None:  # configure_model / setup run again: start from the plain module
@@ -382,7 +354,7 @@ class PaROStrategy(ParallelStrategy):
         """The HO-Ring settings: the ``chunk_bytes`` given, else the chunk ``sharding="auto"`` planned with, else the
         default."""
         chunk_bytes = self._chunk_bytes
-        if chunk_bytes is None and self._auto and self.auto_plan is not None:
+        if chunk_bytes is None and self.auto_plan is not None:
             chunk_bytes = int(self.auto_plan.cluster.chunk_bytes)
         return HOR_EXACT_SCOPES if chunk_bytes is None else replace(HOR_EXACT_SCOPES, chunk_bytes=chunk_bytes)
 
@@ -396,9 +368,9 @@ class PaROStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
         self.engine.pre_step()
-        if self._replanner is None:
+        if self._auto_session is None:
             return super().training_step(*args, **kwargs)
-        with self._replanner.forward():
+        with self._auto_session.forward():
             return super().training_step(*args, **kwargs)
 
     @override
@@ -413,8 +385,8 @@ class PaROStrategy(ParallelStrategy):
             self._manual.after_backward()
         else:
             self.engine.finish_backward(sync=self._sync_grads)
-        if self._replanner is not None:
-            self._replanner.end_backward()
+        if self._auto_session is not None:
+            self._auto_session.end_backward()
 
     def _before_clip(self) -> None:
         if self._manual is not None:
@@ -442,7 +414,8 @@ class PaROStrategy(ParallelStrategy):
         if self._manual is not None:
             self._manual.after_step()
         self._record_step_traffic()
-        self._replan_after_step()
+        if self._auto_session is not None:  # the step just made is not counted in global_step yet
+            self._auto_session.after_step(self.lightning_module.trainer.global_step + 1, self._switch_strategy)
         return out
 
     def _record_step_traffic(self) -> None:
