@@ -31,20 +31,18 @@ def test_activation_bytes_are_what_autograd_saves_without_the_weights():
     parameters, not activations: 144 B in all."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    recorder = _recorder()
-    with recorder.forward():
-        loss = model(torch.randn(3, 4)).sum()
-    loss.backward()
-    recorder.end_backward()
-    recorder.end_step()
-    assert recorder.figures().activation_bytes == 144
-    doubled = _recorder()
-    with doubled.forward():
-        loss = model(torch.randn(6, 4)).sum()
-    loss.backward()
-    doubled.end_backward()
-    doubled.end_step()
-    assert doubled.figures().activation_bytes == 288  # twice the batch, twice the activations
+
+    def saved(batch: int) -> float:
+        recorder = _recorder()
+        with recorder.forward():
+            loss = model(torch.randn(batch, 4)).sum()
+        loss.backward()
+        recorder.end_backward()
+        recorder.end_step()
+        return recorder.figures().activation_bytes
+
+    assert saved(3) == 144
+    assert saved(6) == 288  # twice the batch, twice the activations
 
 
 def test_compute_time_leaves_out_waiting():
