@@ -114,8 +114,7 @@ class PaROEngine:
     @mode.setter
     def mode(self, mode: Mode) -> None:
         self._mode = mode
-        for f in self.flat_groups():
-            f.exact_gathers = mode is not Mode.SHARDED
+        export.set_exact_gathers(self.flat_groups(), mode)
 
     def exact_params(self) -> None:
         """Collective. Make every rank's parameter storage hold the exact weights where training left them rounded

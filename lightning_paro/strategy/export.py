@@ -20,24 +20,31 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_paro.strategy.evaluation import ShardedEvaluation
+from lightning_paro.strategy.flat import FlatGroup
 from lightning_paro.strategy.hooks import Mode
 
 if TYPE_CHECKING:
     from lightning_paro.strategy.engine import PaROEngine
 
 
+def set_exact_gathers(flats: list[FlatGroup], mode: Mode) -> None:
+    """A flat group's ``exact_gathers`` flag derives from the engine's mode: it gathers in ``comm_dtypes`` in training
+    (SHARDED) only. The mode setter calls this (flat groups start with the flag off, the engine in SHARDED), and
+    :func:`exact_gathers` sets the flag back from the mode when its block ends."""
+    for f in flats:
+        f.exact_gathers = mode is not Mode.SHARDED
+
+
 @contextmanager
 def exact_gathers(engine: PaROEngine) -> Iterator[None]:
-    """Gathers in the parameters' own dtype inside the block, whatever the mode."""
+    """Gathers in the parameters' own dtype inside the block, whatever the mode; after it, as the mode says."""
     flats = engine.flat_groups()
-    before = [f.exact_gathers for f in flats]
     for f in flats:
         f.exact_gathers = True
     try:
         yield
     finally:
-        for f, b in zip(flats, before):
-            f.exact_gathers = b
+        set_exact_gathers(flats, engine.mode)
 
 
 def exact_params(engine: PaROEngine) -> None:
