@@ -112,7 +112,7 @@ def allocate_on_meta_by_default() -> list[str]:
     wrapped."""
     from lightning_paro.comm import collectives, ho_ring
     from lightning_paro.comm.ho_ring import pipeline
-    from lightning_paro.strategy import engine, flat
+    from lightning_paro.strategy import construction, engine, export, flat, handback, hooks, optimizer_step
 
     wrapped = []
     classes = (flat.FlatGroup, engine.Unit, engine.PaROEngine, collectives.Communicator, collectives._Worker,
@@ -126,10 +126,18 @@ def allocate_on_meta_by_default() -> list[str]:
     # of the package in every module of it that holds it.
     ho_ring_modules = [ho_ring] + [importlib.import_module(f"{ho_ring.__name__}.{info.name}")
                                    for info in pkgutil.iter_modules(ho_ring.__path__)]
-    for module, owner in [(m, ho_ring.__name__) for m in ho_ring_modules] + [(engine, engine.__name__),
-                                                                             (flat, flat.__name__)]:
+    for module, owner in [(m, ho_ring.__name__) for m in ho_ring_modules] + [(flat, flat.__name__)]:
         for name, member in list(vars(module).items()):
             if inspect.isfunction(member) and (member.__module__ == owner or member.__module__.startswith(owner + ".")):
+                setattr(module, name, _on_meta(member))
+                wrapped.append(f"{module.__name__}.{name}")
+    # The engine's concerns live in several modules that import each other's functions: wrap each of them wherever
+    # it is held.
+    engine_modules = [engine, construction, hooks, optimizer_step, export, handback]
+    owners = {m.__name__ for m in engine_modules}
+    for module in engine_modules:
+        for name, member in list(vars(module).items()):
+            if inspect.isfunction(member) and member.__module__ in owners:
                 setattr(module, name, _on_meta(member))
                 wrapped.append(f"{module.__name__}.{name}")
     return wrapped
