@@ -28,6 +28,8 @@ class AutoSession:
         self.switches: list[Switch] = []
         """The switches made in place during fit."""
         self.replanner: Optional[JobReplanner] = None
+        self.replans: list[dict[str, Any]] = []
+        """Each re-plan: after which step, the strategy in use, its measured and predicted step time, the decision."""
 
     def plan_at_setup(self, module, optimizers: list, topology, device, accumulation: int, ranks_on_host: int,
                       units, prefetch: int, chunk_bytes: Optional[int], comm, broadcast: Callable[[Any], Any]) -> str:
@@ -74,6 +76,12 @@ class AutoSession:
         decision = planner.end_step()
         if decision is not None:
             self.plan = planner.plan
+            self.replans.append({
+                "step": step, "in_use": planner.current, "switch_to": decision.switch_to, "reason": decision.reason,
+                "measured_step_seconds": planner.figures.step_seconds if planner.figures else None,
+                "predicted_step_seconds": planner.plan.candidate(planner.current).prediction.step_seconds,
+                "predicted_speedup": decision.predicted_speedup,
+                "micro_step_seconds": planner.figures.micro_step_seconds if planner.figures else None})
             measured = "" if planner.figures is None else (
                 f" measured {planner.figures.step_seconds:.4g} s per optimizer step under {planner.current},"
                 f" {decision.measured_over_predicted:.2f}x the re-plan's prediction for it.")
