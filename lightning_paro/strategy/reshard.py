@@ -17,11 +17,11 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_paro.strategy import transitions
-from lightning_paro.strategy.checkpoint import init_optimizer_state
 from lightning_paro.strategy.engine import PaROEngine
 from lightning_paro.strategy.flat import FlatGroup
 from lightning_paro.strategy.layout import ShardLayout
 from lightning_paro.strategy.levels import Level
+from lightning_paro.strategy.state_dicts import init_optimizer_state
 
 
 def reshard(engine: PaROEngine, build: Callable[[list[Optimizer]], PaROEngine]) -> PaROEngine:

@@ -54,6 +54,7 @@ from lightning_paro.strategy.precision import to_paro_precision
 from lightning_paro.strategy.read_guard import drop_sharded_read_guard, guard_sharded_reads
 from lightning_paro.strategy.reshard import reshard
 from lightning_paro.strategy.report import StepTraffic, format_summary
+from lightning_paro.strategy.state_dicts import load_full_model_state, load_full_optimizer_state
 from lightning_paro.strategy.units import UnitPolicy
 
 log = logging.getLogger(__name__)
@@ -573,7 +574,7 @@ class PaROStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if self._restored_sharded or self.engine is None:
             return  # a sharded checkpoint was read in place by load_checkpoint
-        ckpt.load_full_model_state(self.engine, checkpoint["state_dict"], strict=strict)
+        load_full_model_state(self.engine, checkpoint["state_dict"], strict=strict)
         self.engine.after_load()
 
     @override
@@ -581,7 +582,7 @@ class PaROStrategy(ParallelStrategy):
         if self._restored_sharded or self.engine is None:
             return
         for i, sd in enumerate(checkpoint["optimizer_states"]):
-            ckpt.load_full_optimizer_state(self.engine, i, sd)
+            load_full_optimizer_state(self.engine, i, sd)
 
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes of parameters, gradients and optimizer states held by the engine."""
