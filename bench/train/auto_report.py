@@ -7,9 +7,10 @@ For every setting with results (``bench/results/train/<setting>.json``, written 
   plan of ``auto``'s median run predicts it with the activations that run measured, is within the budget. Beside
   it the table shows each strategy's measured footprint (its model-state bytes and gathered-parameter peak from its
   own run, plus the measured activations), which must agree;
-* ``auto``'s pick (the strategy in use at the end of its run) and its own tokens/s with its start-up plan (probes)
-  and any switch made before the timed window added to the window's time, so the probe, the plan and every switch
-  are paid for.
+* ``auto``'s pick (the strategy in use at the end of its run) and its own tokens/s, two ways: over the timed window
+  like every other system (a switch made inside it is in it), and with its start-up plan (probes) and any switch
+  made before the window added to the window's time, so the probe, the plan and every switch are paid for within
+  the benchmark's short run (a real job pays them once over many more steps).
 
 Then ``auto``, "always NNG", "always the lowest-memory strategy that fits" and the best fitting strategy (an oracle)
 are scored, and the results set is checked to be one where the choice matters. Writes
@@ -54,9 +55,10 @@ def load(name: str) -> tuple[SettingResult, dict] | None:
     runs = []
     for run in auto.get("runs", [auto]):
         run = {**run, "timed_steps_from": warmup}
-        runs.append((auto_tokens_per_s(run), run))
+        runs.append((float(run["tokens_per_s"]), auto_tokens_per_s(run), run))
     runs.sort(key=lambda x: x[0])
-    own, median_run = runs[len(runs) // 2]
+    own, _, median_run = runs[len(runs) // 2]
+    paid = sorted(r[1] for r in runs)[len(runs) // 2]
     plan = median_run["auto"]
     predicted = plan.get("predicted_memory_bytes", {})
     budget = data.get("memory_budget")
@@ -68,11 +70,14 @@ def load(name: str) -> tuple[SettingResult, dict] | None:
             measured[s[len("paro_"):].upper()] = (r["model_state_bytes_max_rank"] + (r.get("gathered_peak_bytes_rank0")
                                                                                      or 0) + activations)
     setting = SettingResult(name, tokens, frozenset(fits), {s: predicted.get(s, float("inf")) for s in tokens})
-    extra = {"auto_tokens_per_s": own, "auto_pick": plan.get("in_use") or plan.get("choice"),
-             "auto_runs": [round(t, 1) for t, _ in runs], "auto_picks": [r["auto"].get("in_use") for _, r in runs],
-             "switches": [r["auto"].get("switches", []) for _, r in runs], "budget": budget,
+    extra = {"auto_tokens_per_s": own, "auto_tokens_per_s_paid": paid,
+             "auto_pick": plan.get("in_use") or plan.get("choice"),
+             "auto_runs": [round(t, 1) for t, _, _ in runs], "auto_runs_paid": [round(t, 1) for _, t, _ in runs],
+             "auto_picks": [r["auto"].get("in_use") for _, _, r in runs],
+             "switches": [r["auto"].get("switches", []) for _, _, r in runs], "budget": budget,
              "measured_footprint": measured, "predicted_memory": predicted, "activations": activations,
-             "plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2) for _, r in runs]}
+             "plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2) for _, _, r in runs],
+             "window_seconds": [round(r["seconds"], 1) for _, _, r in runs]}
     return setting, extra
 
 
@@ -83,15 +88,20 @@ def main() -> None:
     loaded = {n: load(n) for n in args.settings.split(",")}
     results = [v[0] for v in loaded.values() if v]
     extras = {n: v[1] for n, v in loaded.items() if v}
-    pickers = {"auto": (lambda s: extras[s.name]["auto_pick"]), "always NNG": always("NNG"),
+    pick = lambda s: extras[s.name]["auto_pick"]  # noqa: E731
+    pickers = {"auto": pick, "auto, its probe, plan and switches paid in the window": pick, "always NNG": always("NNG"),
                "always the lowest-memory strategy that fits": lowest_memory_that_fits,
                "the best fitting strategy (oracle)": best_fitting}
     scores = {}
     for label, picker in pickers.items():
-        own = {n: e["auto_tokens_per_s"] for n, e in extras.items()} if label == "auto" else None
+        own = None
+        if label == "auto":
+            own = {n: e["auto_tokens_per_s"] for n, e in extras.items()}
+        elif label.startswith("auto"):
+            own = {n: e["auto_tokens_per_s_paid"] for n, e in extras.items()}
         scores[label] = score(results, picker, own_tokens_per_s=own)
     lines = ["| setting | budget | fitting (measured tokens/s) | best | auto's picks | auto tokens/s (runs) | auto / best |"
-             " always NNG / best |", "|---|---|---|---|---|---|---|---|"]
+             " probe and plan (s) | auto / best, probe paid | always NNG / best |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in results:
         e = extras[s.name]
         fitting = ", ".join(f"{k} {s.tokens_per_s[k]:.0f}" for k in sorted(s.fits, key=lambda k: -s.tokens_per_s[k]))
@@ -99,7 +109,9 @@ def main() -> None:
         nng = f"{s.tokens_per_s['NNG'] / s.tokens_per_s[s.best]:.2f}" if "NNG" in s.fits else "does not fit"
         lines.append(f"| {s.name} | {budget} | {fitting} | {s.best} | {', '.join(map(str, e['auto_picks']))} |"
                      f" {e['auto_tokens_per_s']:.1f} ({', '.join(map(str, e['auto_runs']))}) |"
-                     f" {e['auto_tokens_per_s'] / s.tokens_per_s[s.best]:.2f} | {nng} |")
+                     f" {e['auto_tokens_per_s'] / s.tokens_per_s[s.best]:.2f} |"
+                     f" {', '.join(map(str, e['plan_seconds']))} |"
+                     f" {e['auto_tokens_per_s_paid'] / s.tokens_per_s[s.best]:.2f} | {nng} |")
     lines += ["", f"The choice matters in this set: {'yes' if choice_matters(results) else 'no'} ({len(results)}"
               f" settings; best other than NNG in {sum(s.best != 'NNG' for s in results)}:"
               f" {', '.join(sorted({s.best for s in results if s.best != 'NNG'}))}).", ""]
