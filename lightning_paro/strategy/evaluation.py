@@ -11,19 +11,28 @@ must use its units in that order.
 
 The engine (``engine.py``) owns the units and the hooks; it hands each evaluation stage to one
 :class:`ShardedEvaluation`, which keeps the stage's rounds.
+
+The strategy's side of a stage is here too, as plain functions its hooks call: whether the stage holds the whole
+model (:func:`gather_in_full`, for ``gather="full"``, ``"sharded"`` or ``"auto"``), the stage begun in full or
+sharded (:func:`begin_stage`), and each step run in its round (:func:`run_step`, told by :func:`is_last_batch`
+when the rank has run its last batch).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from lightning_paro.strategy.hooks import Mode
 from lightning_paro.strategy.levels import Level
 from lightning_paro.strategy.transitions import SCOPE_OF
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from lightning_paro.strategy.engine import PaROEngine
+    from lightning_paro.strategy.options import GatherMode
     from lightning_paro.strategy.units import Unit
 
 
@@ -120,3 +129,45 @@ class ShardedEvaluation:
         flag = torch.full((1,), int(running), dtype=torch.int32, device=engine.control_device())
         engine.comm.scalar_all_reduce(flag, self.scope)
         return int(flag.item())
+
+
+def gather_in_full(mode: GatherMode, sharded: bool, full_bytes: int, memory_fraction: float,
+                   free_bytes: Callable[[], float]) -> bool:
+    """Whether a stage holds the whole model: always when no parameter is ``sharded`` (both ways are the same), as
+    ``mode`` says under "full" and "sharded", and under "auto" when the ``full_bytes`` of every parameter gathered
+    fit ``memory_fraction`` of ``free_bytes()`` (called only then: it may be a collective)."""
+    if not sharded:
+        return True
+    if mode != "auto":
+        return mode != "sharded"
+    return full_bytes <= memory_fraction * free_bytes()
+
+
+def begin_stage(engine: PaROEngine, in_full: Callable[[], bool]) -> None:
+    """Begin an evaluation stage: the whole model gathered when ``in_full()`` (no collective per batch), else
+    sharded evaluation's rounds."""
+    if in_full():
+        engine.materialize()
+    else:
+        engine.begin_eval()
+
+
+def run_step(engine: Optional[PaROEngine], step: Callable[..., Any], last_batch: Callable[[], bool], *args: Any,
+             **kwargs: Any) -> Any:
+    """Run an evaluation ``step``; under sharded evaluation inside its round, after which ``last_batch()`` says
+    whether this rank has run its last batch of the stage."""
+    if engine is None or engine.mode is not Mode.EVAL:
+        return step(*args, **kwargs)
+    engine.eval_step_begin()
+    out = step(*args, **kwargs)
+    engine.eval_step_end(last=last_batch())
+    return out
+
+
+def is_last_batch(module: Optional[pl.LightningModule]) -> bool:
+    """Whether the batch just run is this rank's last of the stage (Lightning knows it one batch ahead; with a
+    ``dataloader_iter`` step it does not, and the rank joins at the end of the stage instead)."""
+    trainer = module._trainer if module is not None else None
+    loop = getattr(trainer, "_active_loop", None)
+    progress = getattr(loop, "batch_progress", None)
+    return bool(getattr(progress, "is_last_batch", False))

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 from contextlib import contextmanager
 from dataclasses import replace
@@ -13,15 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -46,7 +38,16 @@ from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memo
 from lightning_paro.planner.replan import Switch
 from lightning_paro.strategy.auto_session import AutoSession
 from lightning_paro.strategy import checkpoint as ckpt
-from lightning_paro.strategy.engine import Mode, PaROEngine
+from lightning_paro.strategy.distributed import (
+    all_reduce,
+    barrier,
+    broadcast_object,
+    default_process_group_backend,
+    init_default_group,
+    same_layout,
+)
+from lightning_paro.strategy.engine import PaROEngine
+from lightning_paro.strategy.evaluation import begin_stage, gather_in_full, is_last_batch, run_step
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.manual import ManualSteps, check_one_optimizer
 from lightning_paro.strategy.options import GatherConfig, GatherMode, PaROOptions
@@ -55,6 +56,8 @@ from lightning_paro.strategy.read_guard import drop_sharded_read_guard, guard_sh
 from lightning_paro.strategy.reshard import reshard
 from lightning_paro.strategy.report import StepTraffic, format_summary
 from lightning_paro.strategy.state_dicts import load_full_model_state, load_full_optimizer_state
+from lightning_paro.strategy.teardown import hand_back, teardown_after_failure, teardown_sharded
+from lightning_paro.strategy.traffic import log_step, sent, step_since
 from lightning_paro.strategy.units import UnitPolicy
 
 log = logging.getLogger(__name__)
@@ -224,19 +227,10 @@ class PaROStrategy(ParallelStrategy):
         self._set_world_ranks()
         if self._process_group_backend is None:  # an explicit backend is kept as given
             self._process_group_backend = default_process_group_backend(self.root_device)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        initialised_here = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if initialised_here and "nccl" in self._process_group_backend and self._process_group_backend != "nccl":
-            # As Lightning does for plain "nccl" (torch warns at exit about an NCCL group left undestroyed).
-            atexit.register(_destroy_dist_connection)
+        init_default_group(self.cluster_environment, self._process_group_backend, self.root_device, self._timeout)
         topo = Topology(world_size=self.world_size, group_size=self.group_size, rank=self.global_rank)
-        if self._topology is None or (topo.world_size, topo.group_size, topo.rank) != (
-                self._topology.world_size, self._topology.group_size, self._topology.rank):
-            self._topology = topo
-            self._comm = None
+        if not same_layout(self._topology, topo):
+            self._topology, self._comm = topo, None
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -271,7 +265,7 @@ class PaROStrategy(ParallelStrategy):
             comm, meter = self._comm, self.meter
             assert comm is not None and self.sharding is not None
             self._auto_session.start_fit(self.sharding.name, self.root_device, waited=lambda: comm.waited_seconds,
-                                         traffic=lambda: _sent(meter), module=self.lightning_module,
+                                         traffic=lambda: sent(meter), module=self.lightning_module,
                                          group=self.topology.groups.world, prefetch=self._prefetch,
                                          manual=self._manual is not None)
         self.setup_precision_plugin()
@@ -420,14 +414,10 @@ class PaROStrategy(ParallelStrategy):
         return out
 
     def _record_step_traffic(self) -> None:
-        now = self.meter.snapshot()
-        step = StepTraffic.between(self._last_snapshot, now)
-        self._last_snapshot = now
+        step, self._last_snapshot = step_since(self.meter, self._last_snapshot)
         self.traffic_history.append(step)
-        module = self.lightning_module
-        if self._log_traffic and module is not None and module._trainer is not None and module.loggers:
-            module.log_dict({"paro/intra_bytes": float(step.intra), "paro/inter_bytes": float(step.inter)},
-                            on_step=True, on_epoch=False, rank_zero_only=True, prog_bar=False)
+        if self._log_traffic:
+            log_step(self.lightning_module, step)
 
     # ------------------------------------------------------------------ evaluation: gathered in full, or sharded
     @override
@@ -467,47 +457,31 @@ class PaROStrategy(ParallelStrategy):
         return self._eval_step(super().predict_step, *args, **kwargs)
 
     def _begin_eval(self) -> None:
-        if self.engine is None:
-            return
-        if self._gather_in_full(self.gather.evaluation):
-            self.engine.materialize()  # no collective per batch
-        else:
-            self.engine.begin_eval()
+        if self.engine is not None:
+            begin_stage(self.engine, lambda: self._gather_in_full(self.gather.evaluation))
 
     def _end_eval(self) -> None:
         if self.engine is not None:
             self.engine.end_eval()
 
     def _eval_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        engine = self.engine
-        if engine is None or engine.mode is not Mode.EVAL:
-            return step(*args, **kwargs)
-        engine.eval_step_begin()
-        out = step(*args, **kwargs)
-        engine.eval_step_end(last=self._last_eval_batch())
-        return out
-
-    def _last_eval_batch(self) -> bool:
-        """Whether the batch just run is this rank's last of the stage (Lightning knows it one batch ahead; with a
-        ``dataloader_iter`` step it does not, and the rank joins at the end of the stage instead)."""
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        loop = getattr(trainer, "_active_loop", None)
-        progress = getattr(loop, "batch_progress", None)
-        return bool(getattr(progress, "is_last_batch", False))
+        return run_step(self.engine, step, lambda: is_last_batch(self.lightning_module), *args, **kwargs)
 
     def _gather_in_full(self, mode: GatherMode) -> bool:
         """Collective under "auto": every rank takes the same decision, from the smallest free memory."""
         assert self.engine is not None
-        if mode != "auto" or not self.engine.root.sharded_params:
-            return mode != "sharded" or not self.engine.root.sharded_params
+        return gather_in_full(mode, self.engine.root.sharded_params, self.engine.full_param_bytes,
+                              self.gather.memory_fraction, self._agreed_free_bytes)
+
+    def _agreed_free_bytes(self) -> float:
+        """The smallest free device memory over the ranks (collective); unbounded where it cannot be read."""
         try:
             free: float = device_memory_bytes(self.root_device, ranks_on_host=self.num_processes)
         except (ValueError, RuntimeError):  # a device whose free memory cannot be read: gather in full, as before
             free = float("inf")
         if _distributed_is_initialized():
             free = self._on_comm_thread(lambda: agreed_minimum(free, device=self.root_device), "gather decision")
-        return self.engine.full_param_bytes <= self.gather.memory_fraction * free
+        return free
 
     def export_full_state_dict(self, path: Union[str, Path]) -> None:
         """Write the module's full state dict (``torch.save``) to ``path`` from rank 0, gathering one unit at a time
@@ -603,26 +577,20 @@ class PaROStrategy(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            self._on_comm_thread(lambda: dist.barrier(device_ids=[self.root_device.index]), "strategy.barrier")
-        else:
-            self._on_comm_thread(dist.barrier, "strategy.barrier")
+        self._on_comm_thread(lambda: barrier(self.root_device), "strategy.barrier")
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
-        holder = [obj]
-        self._on_comm_thread(lambda: dist.broadcast_object_list(holder, src, group=_group.WORLD),
-                             "strategy.broadcast")
-        return holder[0]
+        return self._on_comm_thread(lambda: broadcast_object(obj, src), "strategy.broadcast")
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
-        return self._on_comm_thread(lambda: _all_reduce(tensor, group, reduce_op), "strategy.reduce")
+        return self._on_comm_thread(lambda: all_reduce(tensor, group, reduce_op), "strategy.reduce")
 
     def _on_comm_thread(self, fn: Callable[[], Any], what: str) -> Any:
         if self._topology is None:  # before set-up: no engine, so nothing to run beside
@@ -652,44 +620,19 @@ class PaROStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._failed:
-            self._failed = False
-            self._teardown_after_failure()
-            return
-        if self.engine is not None and not self._failed:
-            # Hand the module back with every unit gathered when it fits (its weights readable, as after "ddp");
-            # otherwise leave it sharded. The shards (and optimizer states) stay in place for
-            # `trainer.save_checkpoint` and the next stage either way.
-            self.engine.wait()
-            if self.engine.mode is Mode.FULL or self._gather_in_full(self.gather.after_fit):
-                self.engine.materialize()
-            else:
-                self.engine.release()
-                self._teardown_sharded()
-                guard_sharded_reads(self.lightning_module)
-                return
-        self._failed = False
-        super().teardown()
+        failed, self._failed = self._failed, False
+        if failed:
+            teardown_after_failure(self)
+        elif self.engine is not None and not self._hand_back():
+            teardown_sharded(self)
+            guard_sharded_reads(self.lightning_module)
+        else:
+            super().teardown()
 
-    def _teardown_sharded(self) -> None:
-        """Strategy.teardown without moving the module to the CPU: its parameters are sharded (a copy would read
-        freed storage); it stays on its device, as the next stage needs it."""
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        _optimizers_to_device(self.optimizers, torch.device("cpu"))
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
-
-    def _teardown_after_failure(self) -> None:
-        """Strategy.teardown without what needs peers or intact shards: no collective (gathering the module waits for
-        ranks that may be gone), and the module and optimizer states stay where they are (sharded parameters hold no
-        storage to move). The process can then exit with the error."""
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+    def _hand_back(self) -> bool:
+        """The module gathered when it fits (``gather.after_fit``), else left sharded: whether it is whole."""
+        assert self.engine is not None
+        return hand_back(self.engine, lambda: self._gather_in_full(self.gather.after_fit))
 
     @classmethod
     @override
@@ -699,39 +642,3 @@ class PaROStrategy(ParallelStrategy):
             strategy_registry.register(f"paro_{name.lower()}", cls, description=f"PaRO-DP strategy {name}",
                                        sharding=name)
 
-
-def default_process_group_backend(device: torch.device) -> str:
-    """The backend the strategy initialises the default group with: the device's own (NCCL on CUDA) with gloo beside
-    it for CPU tensors (``"cuda:nccl,cpu:gloo"``), which Lightning's object broadcasts and any CPU tensor handed to a
-    collective need; plain gloo on CPU."""
-    own = _get_default_process_group_backend_for_device(device)
-    if device.type == "cpu" or own == "gloo" or not dist.is_gloo_available():
-        return own
-    return f"{device.type}:{own},cpu:gloo"
-
-
-def _all_reduce(tensor: Tensor, group: Optional[Any], reduce_op: Optional[Union[ReduceOp, str]]) -> Tensor:
-    """Lightning's reduce (its ``_sync_ddp``) in place, with a mean taken as a sum divided by the group size on every
-    backend (gloo has no AVG, and a CPU tensor goes to gloo under a ``"cuda:nccl,cpu:gloo"`` backend), and without
-    the barrier before it (the all-reduce waits for every rank anyway)."""
-    group = dist.group.WORLD if group is None else group
-    mean = False
-    if isinstance(reduce_op, str):
-        mean = reduce_op.lower() in ("mean", "avg")
-        op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, reduce_op.upper())
-    elif reduce_op is None or reduce_op == dist.ReduceOp.AVG:
-        mean = reduce_op is not None
-        op = dist.ReduceOp.SUM
-    else:
-        op = reduce_op
-    dist.all_reduce(tensor, op=op, group=group)
-    if not mean:
-        return tensor
-    size = dist.get_world_size(group)
-    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
-
-
-def _sent(meter: TrafficMeter) -> tuple[float, float]:
-    """Bytes this rank has sent so far: (intra-group, inter-group)."""
-    total = StepTraffic.between({}, meter.snapshot())
-    return float(total.intra), float(total.inter)

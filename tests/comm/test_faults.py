@@ -31,7 +31,7 @@ from lightning_paro.comm.collectives import CollectiveError, Communicator
 from lightning_paro.comm.group_cache import default_timeout
 from lightning_paro.comm.topology import Topology
 from lightning_paro.strategy.units import Unit
-from lightning_paro.strategy.strategy import default_process_group_backend
+from lightning_paro.strategy.distributed import default_process_group_backend
 
 WORLD = 4
 FAULT_STEP = 2
