@@ -10,6 +10,8 @@ result are those of the single call. NCCL writes into the output as it is and ge
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -35,21 +37,25 @@ def stages_whole_buffer(tensor: torch.Tensor) -> bool:
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group, ranks: int, piece_bytes: int) -> None:
     """``out`` (``ranks`` shards, in rank order) gathered from every rank's ``shard``, in pieces on the CPU."""
-    pieces = _pieces(out, shard.numel(), ranks, piece_bytes)
-    if not pieces:
-        compat.all_gather_single(out, shard, group=group)
-        return
-    rows = out.view(ranks, shard.numel())
-    for a, b in pieces:
-        dist.all_gather(list(rows[:, a:b].unbind(0)), shard[a:b], group=group)
+    _in_pieces(out, shard, ranks, piece_bytes, lambda: compat.all_gather_single(out, shard, group=group),
+               lambda rows, part: dist.all_gather(rows, part, group=group))
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, piece_bytes: int) -> None:
     """``out``: this rank's shard of ``full`` summed over the ranks, in pieces on the CPU."""
-    pieces = _pieces(full, out.numel(), ranks, piece_bytes)
+    _in_pieces(full, out, ranks, piece_bytes, lambda: compat.reduce_scatter_single(out, full, group=group),
+               lambda rows, part: dist.reduce_scatter(part, rows, group=group))
+
+
+def _in_pieces(full: torch.Tensor, shard: torch.Tensor, ranks: int, piece_bytes: int, whole: Callable[[], None],
+               piece: Callable[[list[torch.Tensor], torch.Tensor], None]) -> None:
+    """One collective over ``full`` (``ranks`` shards of ``shard``'s size, in rank order): ``whole()`` where the
+    single call is right (:func:`_pieces`), else ``piece(rows, part)`` for each piece ``[a, b)``, ``rows`` being every
+    rank's slice ``[a, b)`` of ``full`` (views, in rank order) and ``part`` that slice of ``shard``."""
+    pieces = _pieces(full, shard.numel(), ranks, piece_bytes)
     if not pieces:
-        compat.reduce_scatter_single(out, full, group=group)
+        whole()
         return
-    rows = full.view(ranks, out.numel())
+    rows = full.view(ranks, shard.numel())
     for a, b in pieces:
-        dist.reduce_scatter(out[a:b], list(rows[:, a:b].unbind(0)), group=group)
+        piece(list(rows[:, a:b].unbind(0)), shard[a:b])

@@ -112,21 +112,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         groups: from :func:`create_groups`; default: contiguous placement.
     """
     _check_op(op)
-    grp = _groups_for(topology, groups)
+    grp, full, out, shard, by_rank, chunks = _global_operands(topology, groups, output, input, config, gather=False)
     n, m, g = topology.world_size, topology.group_size, topology.num_groups
-    full, out, shard = _operands(grp, output, input, gather=False, rail=False)
-    es, numel = full.element_size(), full.numel()
+    es = full.element_size()
 
-    if _runs_flat(config, numel * es, n):
-        by_rank = [[r] for r in _shards_by_rank(numel, m, g, grp.rank_order)]
+    if by_rank is not None:
         _record(meter, "reduce_scatter", INTER, sum(_size(by_rank[r]) for r in range(n) if r != topology.rank) * es)
         run_flat = _scatter_stage(list(range(n)), topology.rank, lambda _: by_rank, full, 0, out, shard[0],
                                   n if op == "avg" and n > 1 else None)
         return _run([(grp.flat, run_flat)], 1, grp.stall_limit, config.single_thread, full, async_op)
 
     i, j = grp.group_index, grp.local_index
-    chunks = _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
-    block = layout_ranges(0, numel, m, g)[j]
+    block = layout_ranges(0, full.numel(), m, g)[j]
     # Where the intra phase leaves this rank's summed block: a scratch block, the output itself when the rail is
     # trivial (the block is the shard), or nothing when the group is trivial (the input block is already "summed").
     if m == 1:
@@ -162,18 +159,15 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
             (every rank sends its shard to every other) as ``("all_gather", "inter")``.
         groups: from :func:`create_groups`; default: contiguous placement.
     """
-    grp = _groups_for(topology, groups)
+    grp, full, _, _, by_rank, chunks = _global_operands(topology, groups, output, input, config, gather=True)
     n, m, g = topology.world_size, topology.group_size, topology.num_groups
-    full, _, _ = _operands(grp, output, input, gather=True, rail=False)
-    es, numel = full.element_size(), full.numel()
+    es = full.element_size()
 
-    if _runs_flat(config, numel * es, n):
-        by_rank = [[r] for r in _shards_by_rank(numel, m, g, grp.rank_order)]
+    if by_rank is not None:
         _record(meter, "all_gather", INTER, (n - 1) * _size(by_rank[topology.rank]) * es)
         run_flat = _gather_stage(list(range(n)), topology.rank, lambda _: by_rank, full)
         return _run([(grp.flat, run_flat)], 1, grp.stall_limit, config.single_thread, full, async_op)
 
-    chunks = _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
     stages = _gather_stages(grp, chunks, full)
     if meter is not None:
         sent = _sent(chunks, m, g, grp.group_index, grp.local_index)
@@ -288,6 +282,23 @@ def _operands(grp: HORingGroups, output: torch.Tensor, input: torch.Tensor, *, g
         if dst.data_ptr() != part.data_ptr() and dst.numel():
             dst.copy_(part)
     return full, part, own
+
+
+def _global_operands(topology: Topology, groups: HORingGroups | None, output: torch.Tensor, input: torch.Tensor,
+                     config: HORingConfig, *, gather: bool
+                     ) -> tuple[HORingGroups, torch.Tensor, torch.Tensor, Range,
+                                list[list[Range]] | None, list[list[list[Range]]] | None]:
+    """The opening of a global reduce-scatter (``gather=False``) or all-gather: the groups, the operands
+    (:func:`_operands`), and how it runs: as one flat step over the world (:func:`_runs_flat`), given every rank's
+    shard as its one range (``by_rank``, the chunks ``None``), or phase by phase over the layout's chunks
+    (``by_rank`` ``None``)."""
+    grp = _groups_for(topology, groups)
+    n, m, g = topology.world_size, topology.group_size, topology.num_groups
+    full, part, own = _operands(grp, output, input, gather=gather, rail=False)
+    es, numel = full.element_size(), full.numel()
+    if _runs_flat(config, numel * es, n):
+        return grp, full, part, own, [[r] for r in _shards_by_rank(numel, m, g, grp.rank_order)], None
+    return grp, full, part, own, None, _layout_chunks(numel, max(1, config.chunk_bytes // es // n), m, g)
 
 
 def _runs_flat(config: HORingConfig, nbytes: int, world_size: int) -> bool:
