@@ -65,7 +65,7 @@ def test_every_paro_knob_is_overridable():
                                        "strategy.micro_step_seconds=0.2", "strategy.intra_gbps=100",
                                        "strategy.inter_gbps=10", "strategy.intra_overlap=0.25",
                                        "strategy.replan_after_steps=6", "strategy.replan_margin=0.2",
-                                       "strategy.first_plan=ngg", "strategy.strategies=[NNG,IIG]", *FOUR_CPUS]))
+                                       "strategy.first_plan=nng", "strategy.strategies=[NNG,IIG]", *FOUR_CPUS]))
     a = auto.options.auto_config
     assert a.memory_budget == 0.5 and a.micro_step_seconds == 0.2
     assert (a.replan_after_steps, a.replan_margin, a.first_plan, a.strategies) == (6, 0.2, "NNG", ("NNG", "IIG"))
