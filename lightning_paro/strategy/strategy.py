@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -17,13 +16,12 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -47,6 +45,7 @@ from lightning_paro.strategy.distributed import (
     same_layout,
 )
 from lightning_paro.strategy.engine import PaROEngine
+from lightning_paro.strategy.engine_setup import ho_ring_config, new_engine, retire, unwrap, warn_untracked
 from lightning_paro.strategy.evaluation import begin_stage, gather_in_full, is_last_batch, run_step
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.manual import ManualSteps, check_one_optimizer
@@ -111,13 +110,9 @@ class PaROStrategy(ParallelStrategy):
         inter_quant: Optional[str] = _DEFAULT.inter_quant,
         error_feedback: bool = _DEFAULT.error_feedback,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
         self.options = PaROOptions(sharding=sharding, group_size=group_size, units=units, prefetch=prefetch,
                                    chunk_bytes=chunk_bytes, log_traffic=log_traffic, auto=auto,
                                    state_dict_type=state_dict_type, gather=gather, start_method=start_method,
@@ -275,7 +270,7 @@ class PaROStrategy(ParallelStrategy):
     def _plan_sharding(self, trainer: "pl.Trainer", fitting: bool) -> None:
         """``sharding="auto"``: probe the links and memory, run the cost model, take the fastest strategy that fits
         (collective: every rank measures, all agree)."""
-        raw = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
+        raw = [unwrap(o) for o in self.optimizers] if fitting else []
         assert self.lightning_module is not None and self._auto_session is not None
         name = self._auto_session.plan_at_setup(
             self.lightning_module, raw, self.topology, self.root_device,
@@ -316,29 +311,22 @@ class PaROStrategy(ParallelStrategy):
 
     def _build_engine(self, optimizers: list[Optimizer]) -> None:
         if self.engine is not None:  # configure_model / setup run again: start from the plain module
-            self.engine.restore_module()
-            self.engine = None
-            if self._comm is not None:
-                self._comm.close()
-                self._comm = None
+            retire(self.engine, self._comm)
+            self.engine, self._comm = None, None
         if self._comm is None:
             self._comm = Communicator(self.topology, self.meter, device=self.root_device,
                                       ho_ring_config=self._ho_ring_config())
-        self.engine = self._new_engine([o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers])
+        self.engine = self._new_engine([unwrap(o) for o in optimizers])
         self._attach_engine()
-        if self.engine._untracked:
-            rank_zero_warn(
-                f"{len(self.engine._untracked)} parameters require grad but are in no optimizer (e.g."
-                f" {self.engine._untracked[0]!r}); the PaRO strategy treats them as frozen."
-            )
+        warn_untracked(self.engine)
         self._last_snapshot = self.meter.snapshot()
 
     def _new_engine(self, optimizers: list[Optimizer]) -> PaROEngine:
         """An engine of the strategy in use over the module and ``optimizers`` (raw torch optimizers)."""
-        master_dtype = torch.float32 if self.precision_plugin.precision in ("bf16-true", "16-true") else None
         assert self.lightning_module is not None and self._comm is not None and self.sharding is not None
-        return PaROEngine(self.lightning_module, self.sharding, self._comm, optimizers=optimizers, units=self._units,
-                          prefetch=self._prefetch, master_dtype=master_dtype, comm_dtypes=self.options.comm_dtypes)
+        return new_engine(self.lightning_module, self.sharding, self._comm, optimizers,
+                          precision=self.precision_plugin.precision, units=self._units, prefetch=self._prefetch,
+                          comm_dtypes=self.options.comm_dtypes)
 
     def _attach_engine(self) -> None:
         """Point the precision plugin's gradient clipping at the engine in use."""
@@ -348,10 +336,7 @@ class PaROStrategy(ParallelStrategy):
     def _ho_ring_config(self) -> HORingConfig:
         """The HO-Ring settings: the ``chunk_bytes`` given, else the chunk ``sharding="auto"`` planned with, else the
         default."""
-        chunk_bytes = self._chunk_bytes
-        if chunk_bytes is None and self.auto_plan is not None:
-            chunk_bytes = int(self.auto_plan.cluster.chunk_bytes)
-        return HOR_EXACT_SCOPES if chunk_bytes is None else replace(HOR_EXACT_SCOPES, chunk_bytes=chunk_bytes)
+        return ho_ring_config(HOR_EXACT_SCOPES, self._chunk_bytes, self.auto_plan)
 
     @override
     def model_to_device(self) -> None:
@@ -404,8 +389,7 @@ class PaROStrategy(ParallelStrategy):
             self._manual.before_step()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.engine is not None
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        self.engine.after_optimizer_step(raw)
+        self.engine.after_optimizer_step(unwrap(optimizer))
         if self._manual is not None:
             self._manual.after_step()
         self._record_step_traffic()
@@ -512,8 +496,7 @@ class PaROStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.engine is not None
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return ckpt.optimizer_state_to_save(self.engine, raw, sharded=self.state_dict_type == "sharded")
+        return ckpt.optimizer_state_to_save(self.engine, unwrap(optimizer), sharded=self.state_dict_type == "sharded")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
