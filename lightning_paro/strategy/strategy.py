@@ -1,6 +1,9 @@
-"""``Trainer(strategy="paro")``: the Lightning-facing PaRO strategy. Thin hooks: the sharding lives in the engine
-(``engine.py``), saving and loading checkpoints in ``checkpoint.py``, the options' defaults and checks in
-``options.py``."""
+"""``Trainer(strategy="paro")``: the Lightning-facing PaRO strategy. Thin hooks over plain functions: the sharding
+lives in the engine (``engine.py``, built for the strategy in ``engine_setup.py``), saving and loading checkpoints
+in ``checkpoint.py``, the options' defaults and checks in ``options.py``, the process groups and Lightning's
+collectives in ``distributed.py``, each evaluation stage in full or sharded in ``evaluation.py``, the module handed
+back at teardown in ``teardown.py``, the per-step traffic record in ``traffic.py`` and ``sharding="auto"`` in
+``auto_session.py``."""
 
 from __future__ import annotations
 
