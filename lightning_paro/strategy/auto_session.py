@@ -67,9 +67,11 @@ class AutoSession:
         if self.replanner is not None:
             self.replanner.end_backward()
 
-    def after_step(self, step: int, switch: Callable[[str], None]) -> None:
+    def after_step(self, step: int, switch: Callable[[str], None], settle: Callable[[], None] = lambda: None) -> None:
         """After optimizer step ``step`` (collective while re-planning): feed the re-planner and, when its decision
-        says so, call ``switch(strategy)`` and record the switch with its cost."""
+        says so, call ``switch(strategy)`` and record the switch with its cost. ``settle`` waits for the step's own
+        collectives still in flight (the parameter sync), which the step pays for either way, before the switch's
+        clock starts."""
         planner = self.replanner
         if planner is None:
             return
@@ -89,6 +91,7 @@ class AutoSession:
             rank_zero_info(f"PaRO sharding='auto' re-planned after {steps}:{measured} {decision.reason}\n"
                            f"{format_plan(planner.plan)}")
             if decision.switch_to is not None:
+                settle()
                 previous, started = planner.current, time.perf_counter()
                 switch(decision.switch_to)
                 seconds = time.perf_counter() - started
