@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from choice import SettingResult, always, best_fitting, choice_matters, lowest_memory_that_fits, score  # noqa: E402
-from run import RESULTS, SETTINGS  # noqa: E402
+from run import REPLAN_SETTINGS, RESULTS, SETTINGS  # noqa: E402
 
 
 def auto_tokens_per_s(row: dict) -> float:
@@ -81,6 +81,36 @@ def load(name: str) -> tuple[SettingResult, dict] | None:
     return setting, extra
 
 
+def replan_check(name: str) -> list[str]:
+    """The re-planning check (``run.py``'s REPLAN_SETTINGS): per run of ``auto`` started on a forced first plan, the
+    switch, and its tokens/s after the step that switched against the best strategy's own tokens/s over the window."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return []
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"] if "error" not in r}
+    forced = [k for k in rows if "@" in k]
+    fixed = {k: r for k, r in rows.items() if k.startswith("paro_")}
+    if not forced or not fixed:
+        return []
+    best_name, best = max(fixed.items(), key=lambda kv: kv[1]["tokens_per_s"])
+    out = [f"Re-planning check ({name}): {best_name} {best['tokens_per_s']:.1f} tokens/s (runs"
+           f" {', '.join(str(r['tokens_per_s']) for r in best.get('runs', [best]))})", ""]
+    for system in forced:
+        for run in rows[system].get("runs", [rows[system]]):
+            switches = run["auto"].get("switches", [])
+            if not switches:
+                out.append(f"- {system}: no switch, {run['tokens_per_s']:.1f} tokens/s")
+                continue
+            step = switches[-1]["step"]
+            after = run["each_step_seconds"][step - 1:]  # the window starts after step 1: index k times step k + 2
+            rate = run["tokens_per_step"] * len(after) / sum(after)
+            out.append(f"- {system}: switched {switches[-1]['from']} -> {switches[-1]['to']} after step {step} in"
+                       f" {switches[-1]['seconds']:.2f} s; {rate:.1f} tokens/s over the {len(after)} steps after it"
+                       f" ({rate / best['tokens_per_s']:.2f}x {best_name}); {run['tokens_per_s']:.1f} over the whole"
+                       f" window ({run['tokens_per_s'] / best['tokens_per_s']:.2f}x)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=",".join(SETTINGS))
@@ -128,7 +158,8 @@ def main() -> None:
             m = e["measured_footprint"].get(k)
             footprint.append(f"| {s.name} | {k} | {e['predicted_memory'].get(k, float('nan')) / 1e6:.1f} |"
                              f" {m / 1e6:.1f} | {'yes' if k in s.fits else 'no'} |" if m is not None else "")
-    text = "\n".join(lines + footprint)
+    checks = [line for name in REPLAN_SETTINGS for line in replan_check(name)]
+    text = "\n".join(lines + footprint + ([""] + checks if checks else []))
     (RESULTS / "auto.md").write_text(text + "\n")
     (RESULTS / "auto.json").write_text(json.dumps({
         "settings": {s.name: {"tokens_per_s": dict(s.tokens_per_s), "fits": sorted(s.fits), "best": s.best,

@@ -44,7 +44,8 @@ class Built:
 
 
 def build_units(module: nn.Module, spec: ShardingSpec, comm: Communicator, optimizers: list[Optimizer],
-                policy: UnitPolicy, master_dtype: torch.dtype | None, comm_dtypes: CommDtypes) -> Built:
+                policy: UnitPolicy, master_dtype: torch.dtype | None, comm_dtypes: CommDtypes,
+                replicated: bool = False) -> Built:
     """Group ``module``'s parameters into units (see :func:`find_units`) and each unit's parameters into flat groups
     by (optimizer param group, dtype, device); a parameter is trainable when it requires grad and an optimizer holds
     it."""
@@ -75,7 +76,7 @@ def build_units(module: nn.Module, spec: ShardingSpec, comm: Communicator, optim
             mdtype = master_dtype if master_dtype is not None else (
                 torch.float32 if dtype in (torch.bfloat16, torch.float16) else None)
             flat = FlatGroup(entries, trainable=gidx is not None, spec=spec, comm=comm,
-                             master_dtype=mdtype, comm_dtypes=comm_dtypes)
+                             master_dtype=mdtype, comm_dtypes=comm_dtypes, replicated=replicated)
             flat.optimizer_group = gidx
             flats.append(flat)
         units.append(Unit(uname, modules[uname], flats))

@@ -66,11 +66,14 @@ class PaROEngine:
         master_dtype: dtype of the optimizer shard (defaults to the parameter dtype; fp32 for bf16 parameters).
         comm_dtypes: the dtypes parameters and gradients travel in during training (default: their own). Evaluation,
             checkpoints and the module after fit read exact weights (:meth:`exact_params`).
+        replicated: the module's parameters are already the same on every rank (a strategy switch in place), so
+            rank 0's are not broadcast.
     """
 
     def __init__(self, module: nn.Module, spec: ShardingSpec, comm: Communicator,
                  optimizers: Iterable[Optimizer] = (), units: UnitPolicy = "auto", prefetch: int = 1,
-                 master_dtype: torch.dtype | None = None, comm_dtypes: CommDtypes = EXACT) -> None:
+                 master_dtype: torch.dtype | None = None, comm_dtypes: CommDtypes = EXACT,
+                 replicated: bool = False) -> None:
         self.module = module
         self.spec = spec
         self.comm = comm
@@ -86,7 +89,7 @@ class PaROEngine:
         """Whether the module's parameters are this engine's (False once :meth:`restore_module` gave them back)."""
         check_module(module)
         handback.take_over(self)
-        built = build_units(module, spec, comm, self.optimizers, units, master_dtype, comm_dtypes)
+        built = build_units(module, spec, comm, self.optimizers, units, master_dtype, comm_dtypes, replicated)
         self.original_param_groups: list[list[list[str]]] = built.original_param_groups
         """Per optimizer and param group, the parameter names in the order the user built them (checkpoints)."""
         self._untracked: list[str] = built.untracked

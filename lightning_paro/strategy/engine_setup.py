@@ -39,12 +39,13 @@ def ho_ring_config(base: HORingConfig, chunk_bytes: Optional[int], plan: Optiona
 
 
 def new_engine(module: nn.Module, spec: ShardingSpec, comm: Communicator, optimizers: list[Optimizer], *,
-               precision: str, units: UnitPolicy, prefetch: int, comm_dtypes: CommDtypes) -> PaROEngine:
+               precision: str, units: UnitPolicy, prefetch: int, comm_dtypes: CommDtypes,
+               replicated: bool = False) -> PaROEngine:
     """An engine of ``spec`` over ``module`` and ``optimizers`` (raw torch optimizers), with an fp32 master copy under
     a "-true" half ``precision``."""
     master_dtype = torch.float32 if precision in ("bf16-true", "16-true") else None
     return PaROEngine(module, spec, comm, optimizers=optimizers, units=units, prefetch=prefetch,
-                      master_dtype=master_dtype, comm_dtypes=comm_dtypes)
+                      master_dtype=master_dtype, comm_dtypes=comm_dtypes, replicated=replicated)
 
 
 def retire(engine: PaROEngine, comm: Optional[Communicator]) -> None:

@@ -96,7 +96,8 @@ class FlatGroup:
     """Flat parameter, gradient and optimizer-state storage for a set of parameters, sharded by a PaRO spec."""
 
     def __init__(self, slots_in: list[tuple[str, nn.Parameter]], trainable: bool, spec: ShardingSpec,
-                 comm: Communicator, master_dtype: torch.dtype | None = None, comm_dtypes: CommDtypes = EXACT) -> None:
+                 comm: Communicator, master_dtype: torch.dtype | None = None, comm_dtypes: CommDtypes = EXACT,
+                 replicated: bool = False) -> None:
         self.spec = spec
         self.comm = comm
         self.trainable = trainable
@@ -112,12 +113,13 @@ class FlatGroup:
         self.layout = ShardLayout.of(offset, comm.topology)
         L = self.layout.padded
 
-        # The full buffer holds the current weights; every rank starts from rank 0's (replicas must not diverge).
+        # The full buffer holds the current weights; every rank starts from rank 0's (replicas must not diverge),
+        # unless the caller knows they are the same already (``replicated``: a strategy switch in place).
         full = torch.zeros(L, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for s in slots:
                 full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        if torch.distributed.is_initialized() and comm.topology.world_size > 1:
+        if torch.distributed.is_initialized() and comm.topology.world_size > 1 and not replicated:
             comm.broadcast(full, src=0)  # on the communication thread, like every collective of the strategy
 
         p0, p1 = self.layout.range(spec.params)

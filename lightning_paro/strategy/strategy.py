@@ -286,7 +286,8 @@ class PaROStrategy(ParallelStrategy):
         """Reshard the model and optimizer states in memory to the levels of ``name`` (collective)."""
         assert self.engine is not None
         self.sharding = ShardingSpec.parse(name)
-        self.engine = reshard(self.engine, self._new_engine)
+        # The module's parameters come back the same on every rank: the new engine need not broadcast them.
+        self.engine = reshard(self.engine, lambda optimizers: self._new_engine(optimizers, replicated=True))
         self._attach_engine()
 
     # ``sharding="auto"``'s record (strategy/auto_session.py)
@@ -324,12 +325,12 @@ class PaROStrategy(ParallelStrategy):
         warn_untracked(self.engine)
         self._last_snapshot = self.meter.snapshot()
 
-    def _new_engine(self, optimizers: list[Optimizer]) -> PaROEngine:
+    def _new_engine(self, optimizers: list[Optimizer], replicated: bool = False) -> PaROEngine:
         """An engine of the strategy in use over the module and ``optimizers`` (raw torch optimizers)."""
         assert self.lightning_module is not None and self._comm is not None and self.sharding is not None
         return new_engine(self.lightning_module, self.sharding, self._comm, optimizers,
                           precision=self.precision_plugin.precision, units=self._units, prefetch=self._prefetch,
-                          comm_dtypes=self.options.comm_dtypes)
+                          comm_dtypes=self.options.comm_dtypes, replicated=replicated)
 
     def _attach_engine(self) -> None:
         """Point the precision plugin's gradient clipping at the engine in use."""
