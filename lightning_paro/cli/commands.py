@@ -128,7 +128,7 @@ def strategy_stats(strategy: Any) -> dict[str, Any]:
             "notes": list(plan.notes),
             "switches": [{"step": s.step, "from": s.from_strategy, "to": s.to_strategy, "reason": s.reason,
                           "seconds": s.seconds} for s in getattr(strategy, "auto_switches", [])],
-            "replans": list(getattr(getattr(strategy, "_auto_session", None), "replans", [])),
+            "replans": list(getattr(strategy, "auto_replans", [])),
         }
     return out
 

@@ -17,8 +17,8 @@ from typing import Iterable
 from lightning_paro.planner.choose import DEFAULT_MEMORY_BUDGET, Plan, plan
 from lightning_paro.planner.cost_model import fastest_chunk_bytes
 from lightning_paro.planner.inputs import Cluster, Compute, Link
-from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, agree_most, probe_update_bandwidth
-from lightning_paro.planner.memory import agreed_minimum, device_memory_bytes
+from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth
+from lightning_paro.planner.memory import agreed_maximum, agreed_minimum, device_memory_bytes
 from lightning_paro.planner.probe import probe_links
 from lightning_paro.planner.replan import Decision, decide, replan
 from lightning_paro.planner.report import describe_links, format_bytes
@@ -248,7 +248,7 @@ class JobReplanner:
         if not self._fit_checked:
             self._fit_checked = True
             if not self._given_activations:
-                activations = agree_most(self.recorder.activation_bytes, self._group, reduce_on)
+                activations = agreed_maximum(self.recorder.activation_bytes, self._group, reduce_on)
                 checked = replan(self.plan, self.config.memory_budget, self._prefetch, self.config.strategies,
                                  activation_bytes=activations,
                                  note=f"activations {format_bytes(activations)} per micro-batch, measured on the first"

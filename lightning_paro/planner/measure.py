@@ -225,15 +225,6 @@ class StepRecorder:
         return time.perf_counter(), self._waited()
 
 
-def agree_most(value: float, group=None, device=None) -> float:
-    """Collective: the largest ``value`` over the ranks."""
-    import torch.distributed as dist
-
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
-
-
 def agree(figures: JobFigures, group=None, device=None) -> JobFigures:
     """Collective: the figures every rank plans with. Compute and traffic are the mean over the ranks (a step holds
     every rank's micro-steps, and with more ranks than cores some wait for others' compute: the mean keeps what the

@@ -31,9 +31,18 @@ def device_memory_bytes(device, ranks_on_host: int = 1) -> int:
 
 def agreed_minimum(value: float, group=None, device=None) -> float:
     """The smallest ``value`` over the ranks of ``group`` (collective), so every rank plans with the same figure."""
+    return _agreed(value, "MIN", group, device)
+
+
+def agreed_maximum(value: float, group=None, device=None) -> float:
+    """The largest ``value`` over the ranks of ``group`` (collective)."""
+    return _agreed(value, "MAX", group, device)
+
+
+def _agreed(value: float, op: str, group, device) -> float:
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
     return float(t.item())

@@ -309,6 +309,11 @@ class PaROStrategy(ParallelStrategy):
         return self._auto_session.switches if self._auto_session is not None else []
 
     @property
+    def auto_replans(self) -> list[dict[str, Any]]:
+        """With ``sharding="auto"``: each re-plan (step, strategy in use, measured and predicted step time, decision)."""
+        return self._auto_session.replans if self._auto_session is not None else []
+
+    @property
     def auto_plan_seconds(self) -> float:
         """With ``sharding="auto"``: seconds the start-up plan took (probes and planning)."""
         return self._auto_session.plan_seconds if self._auto_session is not None else 0.0
