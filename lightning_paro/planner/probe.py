@@ -15,8 +15,15 @@ from lightning_paro.planner.inputs import UNUSED_LINK, Cluster, Link
 from lightning_paro.planner.phases import gather_phases, seconds
 from lightning_paro.strategy.levels import Level
 
-OVERLAP_WINDOW_S = 0.25
+OVERLAP_WINDOW_S = 0.1
 """The probe times a link's overlap with compute over at least this long (at most 64 large all-gathers)."""
+
+PILOT_BYTES = 2**20
+"""Size of the one all-gather per link class whose time sizes the large ones (well above the buffers a link absorbs
+at its full rate: a 256 KiB pilot measured the emulated NIC's token bucket, 7x its rate)."""
+
+TARGET_TRANSFER_S = 0.1
+"""A large all-gather moves what the pilot's bandwidth moves in this long (within its bounds)."""
 
 OVERLAP_REPEATS = 3
 """Timings of a link's overlap with compute; the probe takes their median (one varies by tens of percent on a
@@ -113,19 +120,23 @@ def _matmuls(device, seconds_wanted: float, group) -> _MatmulLoop:
 
 
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
-                repeats: int = 3, chunk_bytes: int | None = None, global_bytes: int | None = None) -> MeasuredLinks:
+                repeats: int = 3, chunk_bytes: int | None = None, global_bytes: int | None = None,
+                target_seconds: float = TARGET_TRANSFER_S) -> MeasuredLinks:
     """Measure intra- and inter-group links with a few all-gathers (collective: call on every rank).
 
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
-    every rank communicates. Each size is gathered once to warm up, then ``repeats`` times; a rank's time is the
-    mean, and the slowest rank's time counts. A link's ``overlap`` is the median of ``OVERLAP_REPEATS`` readings of
+    every rank communicates. Per link class: one warm-up gather, then ``repeats`` timed gathers of ``small_bytes``
+    and of a large size, the slowest rank's mean counting. The large size is sized to the link: a pilot gather of
+    ``PILOT_BYTES`` gives a first bandwidth, and the large gather is what that bandwidth moves in ``target_seconds``,
+    at least ``PILOT_BYTES`` and at most ``large_bytes`` (a slow link is timed on a smaller buffer, so the probe's
+    cost stays about the same on every cluster). Intra-group, ``repeats`` reduce-scatters of the large size give the
+    ``reduce_scatter_factor``. A link's ``overlap`` is the median of ``OVERLAP_REPEATS`` readings of
     :func:`overlap_from_times`, each from three timings over ``OVERLAP_WINDOW_S`` or more, every rank at once: a run
     of large all-gathers issued on the engine's communication thread, matmuls sized to last as long while every rank
-    computes, and the two together. With several
-    groups of several ranks, one more all-gather of ``global_bytes`` (default: 4 x ``large_bytes``, enough chunks for
-    the pipeline to fill) over the whole world runs as the engine runs it (an HO-Ring with ``chunk_bytes`` chunks),
-    and its time over the links' prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its
-    own.
+    computes, and the two together. With several groups of several ranks, one more all-gather of ``global_bytes``
+    (default: 4 x the inter-group large size, enough chunks for the pipeline to fill) over the whole world runs as the
+    engine runs it (an HO-Ring with ``chunk_bytes`` chunks), and its time over the links' prediction is the
+    ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
     """
     import torch
     import torch.distributed as dist
@@ -137,22 +148,32 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     world = topology.groups.world
     scopes = [("intra", topology.group_size), ("inter", topology.num_groups)]
     hierarchical = topology.group_size > 1 and topology.num_groups > 1
-    global_elems = max(1, (global_bytes or 4 * large_bytes) // (4 * topology.world_size)) * topology.world_size
     ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
                                                                               chunk_bytes=chunk_bytes)
     comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
 
-    def timed(run) -> float:
-        run()  # warm-up: connections, allocations
+    def slowest(seconds: float) -> float:
+        figure = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=world)
+        return figure.item()
+
+    def timed(run, count: int, warm_up: bool = False) -> float:
+        if warm_up:  # connections, allocations
+            run()
         _synchronize(device)
         dist.barrier(group=world)
         start = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(count):
             run()
         _synchronize(device)
-        return (time.perf_counter() - start) / repeats
+        return (time.perf_counter() - start) / count
 
-    def beside(compute, count: int) -> float:
+    def buffers(nbytes: int, k: int):
+        elems = max(1, nbytes // (4 * k)) * k
+        return (torch.empty(elems, dtype=torch.float32, device=device),
+                torch.ones(elems // k, dtype=torch.float32, device=device))
+
+    def beside(compute, count: int, out, shard, scope) -> float:
         """Seconds until ``count`` all-gathers issued on the communication thread (none: 0) and ``compute`` (None:
         nothing) are all done, every rank starting at once."""
         _synchronize(device)
@@ -166,55 +187,65 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         _synchronize(device)
         return time.perf_counter() - start
 
-    per_scope = 3 + 3 * OVERLAP_REPEATS
-    times = []  # per scope: small all-gather, large all-gather, large reduce-scatter, then per overlap reading:
-    #             gathers alone, compute alone, the two together (per gather)
+    per_scope = 4 + 3 * OVERLAP_REPEATS
+    times = []  # per scope: large size, small all-gather, large all-gather, large reduce-scatter (intra only), then
+    #             per overlap reading: gathers alone, compute alone, the two together (per gather)
+    large_sizes = {}
     try:
         for scope, k in scopes:
             if k == 1:
                 times += [0.0] * per_scope
                 continue
-            for nbytes in (small_bytes, large_bytes):
-                elems = max(1, nbytes // (4 * k)) * k
-                out = torch.empty(elems, dtype=torch.float32, device=device)
-                shard = torch.ones(elems // k, dtype=torch.float32, device=device)
-                times.append(timed(lambda: comm.all_gather(out, shard, scope)))
-            times.append(timed(lambda: comm.reduce_scatter(shard, out, scope)))
+            out, shard = buffers(small_bytes, k)
+            small = timed(lambda: comm.all_gather(out, shard, scope), repeats, warm_up=True)
+            out, shard = buffers(PILOT_BYTES, k)
+            # sized from the slowest rank's figures, so that every rank gathers the same size
+            pilot = slowest(timed(lambda: comm.all_gather(out, shard, scope), 1))
+            pilot_rate = (k - 1) / k * 4 * out.numel() / max(pilot - slowest(small), 1e-9)
+            nbytes = int(min(large_bytes, max(PILOT_BYTES, pilot_rate * target_seconds * k / (k - 1))))
+            large_sizes[scope] = nbytes
+            out, shard = buffers(nbytes, k)
+            large = timed(lambda: comm.all_gather(out, shard, scope), repeats)
+            # the factor is the intra-group backend's; rail reduce-scatters are HO-Ring's, at the ideal volume
+            reduce = timed(lambda: comm.reduce_scatter(shard, out, scope), repeats) if scope == "intra" else 0.0
+            times += [float(nbytes), small, large, reduce]
             # overlap: enough large gathers (the same number on every rank) to fill OVERLAP_WINDOW_S
-            slowest_gather = torch.tensor([times[-2]], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest_gather, op=dist.ReduceOp.MAX, group=world)
-            count = min(64, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather.item(), 1e-9)))
+            slowest_gather = slowest(large)
+            count = min(64, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather, 1e-9)))
             # as long as the gathers while every rank computes (the same loop on every rank)
-            compute = _matmuls(device, count * slowest_gather.item(), group=world)
+            compute = _matmuls(device, count * slowest_gather, group=world)
             for _ in range(OVERLAP_REPEATS):
-                times += [beside(None, count) / count, beside(compute, 0) / count, beside(compute, count) / count]
+                times += [beside(None, count, out, shard, scope) / count, beside(compute, 0, out, shard, scope) / count,
+                          beside(compute, count, out, shard, scope) / count]
         if hierarchical:
+            global_elems = max(1, (global_bytes or 4 * large_sizes["inter"]) // (4 * topology.world_size))
+            global_elems *= topology.world_size
             out = torch.empty(global_elems, dtype=torch.float32, device=device)
             shard = torch.ones(global_elems // topology.world_size, dtype=torch.float32, device=device)
-            times.append(timed(lambda: comm.all_gather(out, shard, "global")))
+            times += [float(global_elems), timed(lambda: comm.all_gather(out, shard, "global"), 1, warm_up=True)]
     finally:
         comm.close()
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
-    t = slowest.tolist()
+    reduced = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=world)
+    t = reduced.tolist()
     links, factors = [], []
     for i, (scope, k) in enumerate(scopes):
         if k == 1:
             links.append(UNUSED_LINK)
             continue
-        elems_small, elems_large = (max(1, b // (4 * k)) * k for b in (small_bytes, large_bytes))
-        small, large, reduce, *readings = t[per_scope * i:per_scope * (i + 1)]
+        nbytes, small, large, reduce, *readings = t[per_scope * i:per_scope * (i + 1)]
+        elems_small, elems_large = (max(1, int(b) // (4 * k)) * k for b in (small_bytes, nbytes))
         overlap = statistics.median(overlap_from_times(compute, gathers, both)
                                     for gathers, compute, both in zip(*[iter(readings)] * 3))
         links.append(dataclasses.replace(fit_link(k, 4 * elems_small, small, 4 * elems_large, large), overlap=overlap))
-        if scope == "intra":  # the backend's collective; rail ones are point to point at the ideal volume
+        if scope == "intra":
             factors.append(reduce / large if large > 0 else 1.0)
     factor = 1.0
     if hierarchical:
-        measured = t[per_scope * len(scopes)]  # after the timings of each scope
+        global_elems, measured = t[per_scope * len(scopes):]  # after the timings of each scope
         cluster = Cluster(topology.world_size, topology.group_size, links[0], links[1], 1.0,
                           chunk_bytes=ho_ring.chunk_bytes)
-        predicted = seconds(gather_phases(Level.G, 4 * global_elems, cluster), cluster)
+        predicted = seconds(gather_phases(Level.G, 4 * int(global_elems), cluster), cluster)
         if predicted > 0 and measured > 0:
             factor = min(4.0, max(0.25, measured / predicted))  # clamped: a noisy probe must not dominate the plan
     return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0),
