@@ -1,6 +1,7 @@
 """Score ``sharding="auto"`` on the training benchmark's settings by the criterion of ``choice.py``.
 
-For every setting with results (``bench/results/train/<setting>.json``, written by ``run.py``):
+For every setting of ``run.py``'s ``CHOICE_SETTINGS`` with results (``bench/results/train/choice/<setting>.json``,
+written by ``run.py --set choice``):
 
 * the fixed PaRO strategies' measured tokens/s (each row the run of median tokens/s);
 * which of them fit the setting's memory budget: every one without a budget; with one, those whose memory, as the
@@ -14,7 +15,7 @@ For every setting with results (``bench/results/train/<setting>.json``, written 
 
 Then ``auto``, "always NNG", "always the lowest-memory strategy that fits" and the best fitting strategy (an oracle)
 are scored, and the results set is checked to be one where the choice matters. Writes
-``bench/results/train/auto.md`` and ``auto.json``.
+``bench/results/train/choice/auto.md`` and ``auto.json``.
 
 Usage: ``python bench/train/auto_report.py [--settings a,b,...]``
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from choice import SettingResult, always, best_fitting, choice_matters, lowest_memory_that_fits, score  # noqa: E402
-from run import REPLAN_SETTINGS, RESULTS, SETTINGS  # noqa: E402
+from run import CHOICE_RESULTS as RESULTS  # noqa: E402
+from run import CHOICE_SETTINGS, REPLAN_SETTINGS  # noqa: E402
 
 
 def auto_tokens_per_s(row: dict) -> float:
@@ -113,7 +115,7 @@ def replan_check(name: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--settings", default=",".join(CHOICE_SETTINGS))
     args = ap.parse_args()
     loaded = {n: load(n) for n in args.settings.split(",")}
     results = [v[0] for v in loaded.values() if v]

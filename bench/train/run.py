@@ -10,8 +10,12 @@ Results are written after every system, and a rerun skips systems that already h
 ``--more N`` adds N runs of every listed system to the ones it has, pass by pass over the systems (so a busy spell of
 the machine hits every system alike); a system's row is then its run of median tokens/s, and ``runs`` holds them all.
 
-Usage (root): ``python bench/train/run.py [--settings 2x2-100m-a4,...] [--systems ddp,fsdp2,paro_iig,...] [--redo]
-[--more N]``
+``--set choice`` runs the settings ``sharding="auto"`` is scored on (``CHOICE_SETTINGS``: auto beside the strategies
+that contend there) and the re-planning check, with results in ``bench/results/train/choice/``; ``--fresh`` drops
+the listed systems' stored runs before ``--more`` adds new ones.
+
+Usage (root): ``python bench/train/run.py [--set sweep|choice] [--settings 2x2-100m-a4,...]
+[--systems ddp,fsdp2,paro_iig,...] [--redo] [--fresh] [--more N]``
 """
 
 from __future__ import annotations
@@ -66,8 +70,25 @@ SETTINGS = {
     "4x2-100m-a4": Setting(4, 2, 100, 4),
     "2x2-100m-a4-peft": Setting(2, 2, 100, 4, trainable_blocks=1),
     "4x2-100m-a4-peft": Setting(4, 2, 100, 4, trainable_blocks=1),
-    # Memory-bound: a budget under which NNN, NNG and NIG (and more) do not fit; 5 timed steps, so that auto's
-    # re-plan after its 4th step (the default) falls inside the timed window with its cost.
+}
+"""The sweep: every system in each setting (``bench/results/train/<setting>.json``; ``report.py``'s tables)."""
+
+CHOICE_SETTINGS = {
+    # The planner's criterion (``auto_report.py``; results in bench/results/train/choice/): auto beside the fixed
+    # strategies that came within about 10% of the fastest one in the sweep (memory-bound: every fitting one within
+    # 1.6x). At least 5 timed steps, so that auto's re-plan after its 4th step (the default) falls inside the timed
+    # window with its cost.
+    "2x2-1g-a1": Setting(2, 2, 1000, 1, timed_steps=8, contenders=("paro_nng", "paro_ngg", "paro_nig", "paro")),
+    "2x2-1g-a4": Setting(2, 2, 1000, 4, timed_steps=6, contenders=("paro_nng", "paro_nnn", "paro_nni", "paro")),
+    "2x2-100m-a1": Setting(2, 2, 100, 1, timed_steps=5, contenders=("paro_ngg", "paro_nng", "paro_nig", "paro")),
+    "2x2-100m-a4": Setting(2, 2, 100, 4, timed_steps=5, contenders=("paro_nng", "paro_nnn", "paro")),
+    "4x2-100m-a1": Setting(4, 2, 100, 1, timed_steps=5, contenders=("paro_ngg", "paro_nng", "paro")),
+    "4x2-100m-a4": Setting(4, 2, 100, 4, timed_steps=5, contenders=("paro_nng", "paro_nni", "paro")),
+    "2x2-100m-a4-peft": Setting(2, 2, 100, 4, trainable_blocks=1, timed_steps=5,
+                                contenders=("paro_nng", "paro_nnn", "paro")),
+    "4x2-100m-a4-peft": Setting(4, 2, 100, 4, trainable_blocks=1, timed_steps=5,
+                                contenders=("paro_nnn", "paro_nng", "paro")),
+    # Memory-bound: a budget under which NNN, NNG and NIG (and more) do not fit.
     "2x2-100m-a4-m106": Setting(2, 2, 100, 4, timed_steps=5, memory_budget=106e6,
                                 contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),
     "2x2-100m-a4-m96": Setting(2, 2, 100, 4, timed_steps=5, memory_budget=96e6,
@@ -77,12 +98,15 @@ SETTINGS = {
     "2x2-100m-a8-m106": Setting(2, 2, 100, 8, timed_steps=5, memory_budget=106e6,
                                 contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),
 }
+"""The settings ``sharding="auto"`` is scored on (``choice.py``'s criterion): 12, four of them memory-bound."""
 REPLAN_SETTINGS = {
     # auto forced to start on NGG (fits, 0.55x IIG's speed here): its re-plan after step 4 must move it to the best.
     "2x2-100m-a4-m106-replan": Setting(2, 2, 100, 4, timed_steps=12, memory_budget=106e6,
                                        contenders=("paro_iig", "paro@NGG", "paro")),
 }
-"""Settings of the re-planning check, apart from the planner's criterion (a longer run, a forced first plan)."""
+"""Settings of the re-planning check, apart from the planner's criterion (a longer run, a forced first plan);
+results beside the criterion's."""
+CHOICE_RESULTS = RESULTS / "choice"
 MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64", "data.batch_size=1"]
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
 
@@ -134,23 +158,34 @@ def with_run(old: Optional[dict], new: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"also: {', '.join(REPLAN_SETTINGS)}")
+    ap.add_argument("--set", choices=("sweep", "choice"), default="sweep",
+                    help="sweep: every system (results/train/); choice: auto's criterion and the re-planning check"
+                         " (results/train/choice/)")
+    ap.add_argument("--settings", default=None, help="default: every setting of the set")
     ap.add_argument("--systems", default=None, help="default: the setting's contenders, else every system")
     ap.add_argument("--redo", action="store_true", help="rerun the listed systems even where they have a result (others are kept)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="drop the listed systems' stored runs first (runs of older code must not join a median)")
     ap.add_argument("--more", type=int, default=0, metavar="N",
                     help="add N runs of each listed system, pass by pass; rows become the median run")
     args = ap.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    for name in args.settings.split(","):
-        s = {**SETTINGS, **REPLAN_SETTINGS}[name]
-        path = RESULTS / f"{name}.json"
+    settings, results = (SETTINGS, RESULTS) if args.set == "sweep" else ({**CHOICE_SETTINGS, **REPLAN_SETTINGS},
+                                                                          CHOICE_RESULTS)
+    results.mkdir(parents=True, exist_ok=True)
+    for name in (args.settings.split(",") if args.settings else list(settings)):
+        if name not in settings:
+            sys.exit(f"no setting {name!r} in the {args.set} set; it has: {', '.join(settings)}")
+        s = settings[name]
+        path = results / f"{name}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         rows = {r["system"]: r for r in old.get("rows", []) if "error" not in r}
         listed = args.systems.split(",") if args.systems else list(s.contenders or SYSTEMS)
+        if args.fresh:
+            rows = {k: v for k, v in rows.items() if k not in listed}
         for system in listed * max(1, args.more):  # --more: pass after pass over the systems
             if system in rows and not (args.redo or args.more):
                 continue
-            row = run_one(system, s, Path("/tmp") / "paro-train-bench" / name / system)
+            row = run_one(system, s, Path("/tmp") / "paro-train-bench" / args.set / name / system)
             rows[system] = with_run(rows.get(system), row) if args.more else row
             print(name, json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "final_loss", "error",
                                                            "auto_choice")}), flush=True)
