@@ -11,7 +11,8 @@ written by ``run.py --set choice``):
 * ``auto``'s pick (the strategy in use at the end of its run) and its own tokens/s, two ways: over the timed window
   like every other system (a switch made inside it is in it), and with its start-up plan (probes) and any switch
   made before the window added to the window's time, so the probe, the plan and every switch are paid for within
-  the benchmark's short run (a real job pays them once over many more steps).
+  the benchmark's short run (a real job pays them once over many more steps), and the number of optimizer steps
+  after which a run of ``auto`` with its probe and plan paid is within 5% of the best (``steps_to_pay_back``).
 
 Then ``auto``, "always NNG", "always the lowest-memory strategy that fits" and the best fitting strategy (an oracle)
 are scored, and the results set is checked to be one where the choice matters. Writes
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -40,6 +42,16 @@ def auto_tokens_per_s(row: dict) -> float:
     outside = sum(s["seconds"] for s in auto.get("switches", []) if s["step"] <= row["timed_steps_from"])
     seconds = row["seconds"] + auto.get("plan_seconds", 0.0) + outside
     return row["tokens_per_step"] * row["timed_steps"] / seconds
+
+
+def steps_to_pay_back(best_tokens_per_s: float, auto_tokens_per_s: float, tokens_per_step: float,
+                      start_seconds: float, within: float = 0.05) -> float:
+    """Optimizer steps after which a run of ``auto`` (``start_seconds`` of probe and plan, then steps at its own
+    measured rate) is within ``within`` of the best strategy's tokens/s: N steps take N s_a + P against N s_b, and
+    N s_b / (N s_a + P) >= 1 - within from N = (1 - within) P / (s_b - (1 - within) s_a) on; inf if never."""
+    s_a, s_b = tokens_per_step / auto_tokens_per_s, tokens_per_step / best_tokens_per_s
+    gap = s_b - (1 - within) * s_a
+    return (1 - within) * start_seconds / gap if gap > 0 else float("inf")
 
 
 def load(name: str) -> tuple[SettingResult, dict] | None:
@@ -74,6 +86,7 @@ def load(name: str) -> tuple[SettingResult, dict] | None:
     setting = SettingResult(name, tokens, frozenset(fits), {s: predicted.get(s, float("inf")) for s in tokens})
     extra = {"auto_tokens_per_s": own, "auto_tokens_per_s_paid": paid,
              "auto_pick": plan.get("in_use") or plan.get("choice"),
+             "tokens_per_step": median_run["tokens_per_step"],
              "auto_runs": [round(t, 1) for t, _, _ in runs], "auto_runs_paid": [round(t, 1) for _, t, _ in runs],
              "auto_picks": [r["auto"].get("in_use") for _, _, r in runs],
              "switches": [r["auto"].get("switches", []) for _, _, r in runs], "budget": budget,
@@ -133,17 +146,22 @@ def main() -> None:
             own = {n: e["auto_tokens_per_s_paid"] for n, e in extras.items()}
         scores[label] = score(results, picker, own_tokens_per_s=own)
     lines = ["| setting | budget | fitting (measured tokens/s) | best | auto's picks | auto tokens/s (runs) | auto / best |"
-             " probe and plan (s) | auto / best, probe paid | always NNG / best |", "|---|---|---|---|---|---|---|---|---|---|"]
+             " probe and plan (s) | auto / best, probe paid | steps until within 5%, probe paid | always NNG / best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in results:
         e = extras[s.name]
         fitting = ", ".join(f"{k} {s.tokens_per_s[k]:.0f}" for k in sorted(s.fits, key=lambda k: -s.tokens_per_s[k]))
         budget = f"{e['budget'] / 1e6:.0f} MB" if e["budget"] else "-"
         nng = f"{s.tokens_per_s['NNG'] / s.tokens_per_s[s.best]:.2f}" if "NNG" in s.fits else "does not fit"
+        start = sorted(e["plan_seconds"])[len(e["plan_seconds"]) // 2]
+        payback = steps_to_pay_back(s.tokens_per_s[s.best], e["auto_tokens_per_s"], e["tokens_per_step"], start)
+        e["steps_until_within_5pct"] = payback if payback != float("inf") else None
         lines.append(f"| {s.name} | {budget} | {fitting} | {s.best} | {', '.join(map(str, e['auto_picks']))} |"
                      f" {e['auto_tokens_per_s']:.1f} ({', '.join(map(str, e['auto_runs']))}) |"
                      f" {e['auto_tokens_per_s'] / s.tokens_per_s[s.best]:.2f} |"
                      f" {', '.join(map(str, e['plan_seconds']))} |"
-                     f" {e['auto_tokens_per_s_paid'] / s.tokens_per_s[s.best]:.2f} | {nng} |")
+                     f" {e['auto_tokens_per_s_paid'] / s.tokens_per_s[s.best]:.2f} |"
+                     f" {math.ceil(payback) if payback != float('inf') else 'never'} | {nng} |")
     lines += ["", f"The choice matters in this set: {'yes' if choice_matters(results) else 'no'} ({len(results)}"
               f" settings; best other than NNG in {sum(s.best != 'NNG' for s in results)}:"
               f" {', '.join(sorted({s.best for s in results if s.best != 'NNG'}))}).", ""]
