@@ -32,7 +32,7 @@ from lightning_paro.planner.cost_model import (
 from lightning_paro.planner.inputs import GBIT, UNUSED_LINK, Cluster, Compute, Link, Workload
 from lightning_paro.planner.job import AutoConfig, plan_for_job
 from lightning_paro.planner.memory import agreed_minimum, available_host_memory, device_memory_bytes
-from lightning_paro.planner.probe import MeasuredLinks, fit_link, overlap_from_times, probe_links
+from lightning_paro.planner.probe import MeasuredLinks, fit_link, large_gather_bytes, overlap_from_times, probe_links
 from lightning_paro.planner.report import describe_cluster, describe_links, format_bytes, format_plan
 from lightning_paro.planner.workload import optimizer_states_per_param, workload_from_module
 
@@ -70,5 +70,6 @@ __all__ = [
     "predict",
     "predict_all",
     "probe_links",
+    "large_gather_bytes",
     "workload_from_module",
 ]

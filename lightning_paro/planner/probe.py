@@ -74,6 +74,16 @@ def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: 
     return Link(share * large_bytes / max(large_seconds, 1e-9), 0.0)
 
 
+def large_gather_bytes(ranks: int, pilot_bytes: float, pilot_seconds: float, small_seconds: float,
+                       target_seconds: float, most_bytes: float) -> int:
+    """Buffer size of the probe's large all-gathers over ``ranks`` ranks: what the pilot's bandwidth (its bytes on
+    the wire over its time beyond the small gather's, all latency) moves in ``target_seconds``, at least the pilot's
+    size and at most ``most_bytes``. A ring all-gather of S bytes puts ``(k - 1) / k * S`` on each rank's link."""
+    share = (ranks - 1) / ranks
+    rate = share * pilot_bytes / max(pilot_seconds - small_seconds, 1e-9)
+    return int(min(most_bytes, max(pilot_bytes, rate * target_seconds / share)))
+
+
 @dataclass(frozen=True)
 class _MatmulLoop:
     """The probe's stand-in for compute: ``count`` square matmuls; calling it runs them and returns the seconds."""
@@ -201,8 +211,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
             out, shard = buffers(PILOT_BYTES, k)
             # sized from the slowest rank's figures, so that every rank gathers the same size
             pilot = slowest(timed(lambda: comm.all_gather(out, shard, scope), 1))
-            pilot_rate = (k - 1) / k * 4 * out.numel() / max(pilot - slowest(small), 1e-9)
-            nbytes = int(min(large_bytes, max(PILOT_BYTES, pilot_rate * target_seconds * k / (k - 1))))
+            nbytes = large_gather_bytes(k, 4 * out.numel(), pilot, slowest(small), target_seconds, large_bytes)
             large_sizes[scope] = nbytes
             out, shard = buffers(nbytes, k)
             large = timed(lambda: comm.all_gather(out, shard, scope), repeats)

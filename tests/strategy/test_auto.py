@@ -20,6 +20,7 @@ from lightning_paro.planner import (
     fit_link,
     format_bytes,
     format_plan,
+    large_gather_bytes,
     memory_budget_bytes,
     optimizer_states_per_param,
     overlap_from_times,
@@ -73,6 +74,19 @@ def test_format_plan_lists_every_candidate_and_the_choice():
 
 def test_format_bytes():
     assert [format_bytes(b) for b in (13.5e9, 612e3, 12, 2.5e12)] == ["13.5 GB", "612 kB", "12 B", "2.5 TB"]
+
+
+def test_large_probe_gathers_are_sized_to_the_link():
+    # 2 ranks, a 1 MiB pilot: each rank's link carries half of it, 524,288 B. On 100 Mbit/s shared by two ranks
+    # (6.25 MB/s each) beyond 2 ms of latency it takes 2 ms + 83.9 ms; what that rate moves in 0.1 s is 625,000 B on
+    # the link, a gather of 1,250,000 B
+    pilot = 2**20
+    assert large_gather_bytes(2, pilot, 0.002 + 0.0838861, 0.002, 0.1, 4 * 2**20) == pytest.approx(1_250_000, rel=1e-4)
+    # a fast link would want 10x the cap: the cap; a pilot slower than the target: never below the pilot's size
+    assert large_gather_bytes(2, pilot, 0.0011, 0.001, 0.1, 4 * 2**20) == 4 * 2**20
+    assert large_gather_bytes(2, pilot, 0.5, 0.001, 0.1, 4 * 2**20) == pilot
+    # the pilot no slower than the small gather (noise): as fast as can be, the cap
+    assert large_gather_bytes(4, pilot, 0.001, 0.002, 0.1, 4 * 2**20) == 4 * 2**20
 
 
 def test_fit_link_recovers_alpha_and_beta():
