@@ -140,8 +140,8 @@ def test_every_callbacks_and_logger_option_builds_lightning_objects(tmp_path):
 
 def test_settings_nodes_are_their_dataclasses():
     cfg = load_config(["experiment=demo"])
-    for key, schema in SETTINGS_SCHEMAS.items():
-        assert isinstance(getattr(cfg, key), schema)
+    for key, node_class in SETTINGS_SCHEMAS.items():
+        assert isinstance(getattr(cfg, key), node_class)
     # the demo experiment: PaRO IIG on 4 CPU processes in 2 groups, its own run directory
     assert cfg.strategy.sharding == "IIG" and cfg.strategy.group_size == 2
     assert cfg.trainer["devices"] == 4 and cfg.run.dir.endswith("runs/demo")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
 
