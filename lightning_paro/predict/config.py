@@ -44,9 +44,8 @@ class ElasticPredictConfig:
     """Seconds an idle worker waits between asking the ledger for work."""
     fetch_threads: Optional[int] = None
     """Rows of a batch read concurrently (threads per DataLoader worker). None (the default): each DataLoader worker
-    chooses as it reads, doubling its threads while that delivers batches faster (latency-bound storage), halving
-    them while that delivers them as fast (a model slower than the reading, storage that serves fewer requests at
-    once), and keeping one thread when rows are bound by CPU; see ``FetchTuner``. A number fixes it."""
+    chooses as it reads, doubling its threads while that reads batches faster (latency-bound storage) and keeping
+    one thread when it does not (rows bound by CPU); see ``FetchTuner``. A number fixes it."""
     row_retries: int = 1
     """Retries of a failing row (dataset) or batch (predict_step) before it is bisected and reported."""
     max_failed_rows: int = 0

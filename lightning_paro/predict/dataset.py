@@ -68,39 +68,28 @@ class FetchTuner:
     """Chooses a DataLoader worker's fetch threads from how its batches read (``fetch_threads=None``).
 
     Reading a row from remote storage waits on latency, not CPU, so more rows in flight read a batch faster; rows
-    that cost CPU (parsing, preprocessing) read no faster with more threads, which then only add switching. A batch's
-    rate is its rows over the time from the end of the previous read to the end of this one (the read, plus the wait
-    for the batch's request): a worker that waits for the model delivers its rows at the model's pace whatever its
-    threads, so the rate says what more or fewer threads are worth to the job, not only to the read.
+    that cost CPU (parsing, preprocessing) read no faster with more threads, which then only add switching.
 
+    * More threads are tried only while the worker is the bottleneck: when it waited for its next batch's indices
+      for more than :attr:`AHEAD` of the time it took to read a batch, the model (or whatever consumes the batches) is
+      slower than the reading, and reading faster would gain nothing.
     * A read on one thread that kept it busy (running, or waiting for a CPU: over :attr:`BUSY` of the read's wall time)
       is bound by CPU: one thread stays. One that left it idle tries as many threads as would keep it busy (the
       wall time over the busy time, rounded up to a power of two, at most ``max_threads`` and the batch's rows).
       A worker's second row is read alone for this (after its first, which pays for imports and connections), so
       a latency-bound job is at full speed from its first batch on. A read shorter than :attr:`MIN_WALL_S` says
       nothing either way: one thread stays.
-    * More threads: a try is kept when its batches come at least ``gain`` times as fast as with the thread count it
-      started from (at once when the first is twice that, else when the first two both are); then twice as many
-      threads are tried. None is tried while the worker waited for its batch's request for more than :attr:`AHEAD`
-      of the time it took to read it: the model (or whatever consumes the batches) is then the bottleneck.
-    * Fewer threads: half the threads are tried after a try that more than doubled them (the jump above may
-      overshoot what the storage serves at once), and whenever the worker waits for its batches' requests as above
-      (fewer threads may keep up as well). A halving is kept when its first two batches both come at least
-      :attr:`AS_FAST` times as fast as before the first halving, and then half again is tried against that same
-      rate; the first batch short of it undoes the halving. The count settles on the fewest threads that deliver the
-      batches about as fast as the most that were tried; the gap between ``gain`` and :attr:`AS_FAST` keeps it from
-      going back and forth.
-    * A try of either kind that falls short is undone and no try is made for a pause that doubles each time
-      (:attr:`RETRY_AFTER` batches, at most :attr:`MAX_PAUSE`), so a job whose reads or model change later is still
-      followed.
+    * A try is kept when its batches read at least ``gain`` times as fast (rows per second of the read) as the
+      thread count it started from: at once when the first is twice that, else when the first two both are; then
+      twice as many threads are tried. A try that falls short is undone and not tried again for a pause that
+      doubles each time (:attr:`RETRY_AFTER` batches, at most :attr:`MAX_PAUSE`), so a job whose reads become bound by
+      latency later is still found.
     """
 
     BUSY = 0.8
     """Share of a one-thread read's wall time that it ran or waited for a CPU, above which it is bound by CPU."""
     AHEAD = 0.25
     """Share of a read's wall time the worker may wait for its next batch and still be the bottleneck."""
-    AS_FAST = 0.9
-    """Share of the rate before halving the threads that the halved threads must deliver to be kept."""
     RETRY_AFTER = 8
     """Batches before a try that did not pay is made again (the first pause; each next one doubles)."""
     MAX_PAUSE = 256
@@ -114,10 +103,8 @@ class FetchTuner:
         self.threads = 1
         self.measured = False
         """Whether a read was recorded yet (a worker's first two rows are read alone while it is not)."""
-        self._try_from: Optional[int] = None  # the threads the current try started from (None: no try)
-        self._try_rate = 0.0  # the rate the current try is judged against
+        self._base: Optional[tuple[int, float]] = None  # (threads, rows/s) a try started from
         self._tries: list[float] = []  # the rates of the batches read in the current try
-        self._recent: list[float] = []  # the rates of the last two batches at the current threads, outside tries
         self._pause = 0
         self._next_pause = self.RETRY_AFTER
 
@@ -132,72 +119,41 @@ class FetchTuner:
         after the previous one; ``batch_rows`` bounds a try (default ``rows``). Decides the threads of the next read."""
         self.measured = True
         limit = min(self.max_threads, batch_rows or rows)
-        if (wall_s <= 0 or threads != self.choose(rows) or (rows <= 1 and self._try_from is not None)
+        if (wall_s <= 0 or threads != self.choose(rows) or (rows <= 1 and self._base is not None)
                 or (batch_rows or rows) < self.threads):  # a short batch (a shard's last) says little
             return
-        waited = max(waited_s or 0.0, 0.0)
-        waiting = waited > self.AHEAD * wall_s
-        rate = rows / (wall_s + waited)
-        if self._try_from is not None:
+        rate = rows / wall_s
+        if self._base is not None:
             self._tries.append(rate)
-            if self.threads > self._try_from:
-                self._judge_more(rate, waiting, limit)
-            else:
-                self._judge_fewer(rate)
+            base_threads, base_rate = self._base
+            if min(self._tries) >= self.gain * base_rate and (len(self._tries) >= 2 or rate >= 2 * self.gain * base_rate):
+                self._base, self._tries = None, []
+                self._next_pause = self.RETRY_AFTER  # paid: keep it and try twice as many at once
+                if waited_s is None or waited_s <= self.AHEAD * wall_s:
+                    self._try(self.threads, rate, 2 * self.threads, limit)
+            elif len(self._tries) >= 2:
+                self.threads = base_threads
+                self._base, self._tries = None, []
+                self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, self.MAX_PAUSE)
             return
-        self._recent = (self._recent + [rate])[-2:]
         if self._pause > 0:
             self._pause -= 1
             return
-        if wall_s < self.MIN_WALL_S:
-            return  # too quick to tell
-        if waiting:
-            if self.threads > 1:  # the batches are consumed slower than they are read: fewer threads may keep up
-                self._start(self.threads // 2, sum(self._recent) / len(self._recent))
-            return
+        if wall_s < self.MIN_WALL_S or (waited_s is not None and waited_s > self.AHEAD * wall_s):
+            return  # too quick to tell, or the batches are consumed slower than they are read
         if threads == 1 and busy_s is not None:
             if busy_s > self.BUSY * wall_s:
                 return  # bound by CPU
             wanted = 2 ** math.ceil(math.log2(max(wall_s / max(busy_s, 1e-9), 2.0)))
-            self._start(min(wanted, limit), rate)
+            self._try(1, rate, wanted, limit)
         else:
-            self._start(min(2 * self.threads, limit), rate)
+            self._try(self.threads, rate, 2 * self.threads, limit)
 
-    def _start(self, threads: int, rate: float) -> None:
-        """Tries ``threads`` threads, judged against ``rate`` (that of the current threads, or before halving)."""
-        if threads != self.threads:
-            self._try_from, self._try_rate, self._tries = self.threads, rate, []
+    def _try(self, base_threads: int, base_rate: float, threads: int, limit: int) -> None:
+        threads = min(threads, limit)
+        if threads > base_threads:
+            self._base = (base_threads, base_rate)
             self.threads = threads
-
-    def _settle(self, threads: int, paid: bool) -> None:
-        """Ends the current try at ``threads``; one that did not pay starts a pause."""
-        self.threads, self._try_from, self._tries, self._recent = threads, None, [], []
-        if paid:
-            self._next_pause = self.RETRY_AFTER
-        else:
-            self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, self.MAX_PAUSE)
-
-    def _judge_more(self, rate: float, waiting: bool, limit: int) -> None:
-        base_threads, base_rate = self._try_from, self._try_rate
-        if min(self._tries) >= self.gain * base_rate and (len(self._tries) >= 2 or rate >= 2 * self.gain * base_rate):
-            jumped = self.threads > 2 * base_threads
-            kept_rate = sum(self._tries) / len(self._tries)
-            self._settle(self.threads, paid=True)
-            if jumped:  # the jump may overshoot what the storage serves at once: see whether half does as well
-                self._start(self.threads // 2, kept_rate)
-            elif not waiting:  # paid: try twice as many at once
-                self._start(min(2 * self.threads, limit), rate)
-        elif len(self._tries) >= 2:
-            self._settle(base_threads, paid=False)
-
-    def _judge_fewer(self, rate: float) -> None:
-        start_rate = self._try_rate
-        if rate < self.AS_FAST * start_rate:
-            self._settle(self._try_from, paid=False)
-        elif len(self._tries) >= 2:
-            self._settle(self.threads, paid=True)
-            if self.threads > 1:
-                self._start(self.threads // 2, start_rate)
 
 
 class FetchPool:
