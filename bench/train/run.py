@@ -21,6 +21,7 @@ Usage (root): ``python bench/train/run.py [--set sweep|choice] [--settings 2x2-1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -73,21 +74,25 @@ SETTINGS = {
 }
 """The sweep: every system in each setting (``bench/results/train/<setting>.json``; ``report.py``'s tables)."""
 
+SWEEP_CONTENDERS = {
+    "2x2-1g-a1": ("paro_nng", "paro_ngg", "paro_nig"),
+    "2x2-1g-a4": ("paro_nng", "paro_nnn", "paro_nni"),
+    "2x2-100m-a1": ("paro_ngg", "paro_nng", "paro_nig"),
+    "2x2-100m-a4": ("paro_nng", "paro_nnn"),
+    "4x2-100m-a1": ("paro_ngg", "paro_nng"),
+    "4x2-100m-a4": ("paro_nng", "paro_nni"),
+    "2x2-100m-a4-peft": ("paro_nng", "paro_nnn"),
+    "4x2-100m-a4-peft": ("paro_nnn", "paro_nng"),
+}
+"""Per sweep setting, its two or three fastest fixed strategies in the sweep (within 13% of the fastest)."""
+
 CHOICE_SETTINGS = {
-    # The planner's criterion (``auto_report.py``; results in bench/results/train/choice/): auto beside the fixed
-    # strategies that came within about 10% of the fastest one in the sweep (memory-bound: every fitting one within
-    # 1.6x). At least 5 timed steps, so that auto's re-plan after its 4th step (the default) falls inside the timed
-    # window with its cost.
-    "2x2-1g-a1": Setting(2, 2, 1000, 1, timed_steps=8, contenders=("paro_nng", "paro_ngg", "paro_nig", "paro")),
-    "2x2-1g-a4": Setting(2, 2, 1000, 4, timed_steps=6, contenders=("paro_nng", "paro_nnn", "paro_nni", "paro")),
-    "2x2-100m-a1": Setting(2, 2, 100, 1, timed_steps=5, contenders=("paro_ngg", "paro_nng", "paro_nig", "paro")),
-    "2x2-100m-a4": Setting(2, 2, 100, 4, timed_steps=5, contenders=("paro_nng", "paro_nnn", "paro")),
-    "4x2-100m-a1": Setting(4, 2, 100, 1, timed_steps=5, contenders=("paro_ngg", "paro_nng", "paro")),
-    "4x2-100m-a4": Setting(4, 2, 100, 4, timed_steps=5, contenders=("paro_nng", "paro_nni", "paro")),
-    "2x2-100m-a4-peft": Setting(2, 2, 100, 4, trainable_blocks=1, timed_steps=5,
-                                contenders=("paro_nng", "paro_nnn", "paro")),
-    "4x2-100m-a4-peft": Setting(4, 2, 100, 4, trainable_blocks=1, timed_steps=5,
-                                contenders=("paro_nnn", "paro_nng", "paro")),
+    # The planner's criterion (``auto_report.py``; results in bench/results/train/choice/): auto beside the sweep's
+    # contenders (memory-bound: every fitting strategy within 1.6x of the fastest fitting one). At least 5 timed
+    # steps, so that auto's re-plan after its 4th step (the default) falls inside the timed window with its cost.
+    **{name: dataclasses.replace(SETTINGS[name], timed_steps=max(5, SETTINGS[name].timed_steps),
+                                 contenders=(*contenders, "paro"))
+       for name, contenders in SWEEP_CONTENDERS.items()},
     # Memory-bound: a budget under which NNN, NNG and NIG (and more) do not fit.
     "2x2-100m-a4-m106": Setting(2, 2, 100, 4, timed_steps=5, memory_budget=106e6,
                                 contenders=("paro_iig", "paro_ngg", "paro_igg", "paro")),

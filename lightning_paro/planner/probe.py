@@ -74,14 +74,20 @@ def fit_link(ranks: int, small_bytes: float, small_seconds: float, large_bytes: 
     return Link(share * large_bytes / max(large_seconds, 1e-9), 0.0)
 
 
-def large_gather_bytes(ranks: int, pilot_bytes: float, pilot_seconds: float, small_seconds: float,
-                       target_seconds: float, most_bytes: float) -> int:
-    """Buffer size of the probe's large all-gathers over ``ranks`` ranks: what the pilot's bandwidth (its bytes on
-    the wire over its time beyond the small gather's, all latency) moves in ``target_seconds``, at least the pilot's
-    size and at most ``most_bytes``. A ring all-gather of S bytes puts ``(k - 1) / k * S`` on each rank's link."""
-    share = (ranks - 1) / ranks
-    rate = share * pilot_bytes / max(pilot_seconds - small_seconds, 1e-9)
-    return int(min(most_bytes, max(pilot_bytes, rate * target_seconds / share)))
+def large_gather_bytes(pilot_bytes: float, pilot_seconds: float, small_seconds: float, target_seconds: float,
+                       most_bytes: float) -> int:
+    """Buffer size of the probe's large all-gathers: the buffer the pilot's bandwidth (over its time beyond the small
+    gather's, all latency) gathers in ``target_seconds``, at least the pilot's size and at most ``most_bytes``. A
+    ring all-gather puts the same share of its buffer on each rank's link at every size, so the buffer scales with
+    the time directly."""
+    per_second = pilot_bytes / max(pilot_seconds - small_seconds, 1e-9)
+    return int(min(most_bytes, max(pilot_bytes, per_second * target_seconds)))
+
+
+def _elements(nbytes: float, ranks: int) -> int:
+    """fp32 elements of an all-gather of about ``nbytes`` over ``ranks`` ranks (a multiple of ``ranks``, at least one
+    per rank)."""
+    return max(1, int(nbytes) // (4 * ranks)) * ranks
 
 
 @dataclass(frozen=True)
@@ -145,8 +151,8 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     of large all-gathers issued on the engine's communication thread, matmuls sized to last as long while every rank
     computes, and the two together. With several groups of several ranks, one warm-up and ``repeats`` all-gathers of
     ``global_bytes`` (default: 4 x the inter-group large size, enough chunks for the pipeline to fill) over the whole
-    world run as the engine runs them (an HO-Ring with ``chunk_bytes`` chunks), and its time over the links' prediction is the
-    ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
+    world run as the engine runs them (an HO-Ring with ``chunk_bytes`` chunks), and their time over the links'
+    prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
     """
     import torch
     import torch.distributed as dist
@@ -178,8 +184,8 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         _synchronize(device)
         return (time.perf_counter() - start) / count
 
-    def buffers(nbytes: int, k: int):
-        elems = max(1, nbytes // (4 * k)) * k
+    def buffers(nbytes: float, k: int):
+        elems = _elements(nbytes, k)
         return (torch.empty(elems, dtype=torch.float32, device=device),
                 torch.ones(elems // k, dtype=torch.float32, device=device))
 
@@ -211,7 +217,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
             out, shard = buffers(PILOT_BYTES, k)
             # sized from the slowest rank's figures, so that every rank gathers the same size
             pilot = slowest(timed(lambda: comm.all_gather(out, shard, scope), 1))
-            nbytes = large_gather_bytes(k, 4 * out.numel(), pilot, slowest(small), target_seconds, large_bytes)
+            nbytes = large_gather_bytes(4 * out.numel(), pilot, slowest(small), target_seconds, large_bytes)
             large_sizes[scope] = nbytes
             out, shard = buffers(nbytes, k)
             large = timed(lambda: comm.all_gather(out, shard, scope), repeats)
@@ -227,12 +233,9 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
                 times += [beside(None, count, out, shard, scope) / count, beside(compute, 0, out, shard, scope) / count,
                           beside(compute, count, out, shard, scope) / count]
         if hierarchical:
-            global_elems = max(1, (global_bytes or 4 * large_sizes["inter"]) // (4 * topology.world_size))
-            global_elems *= topology.world_size
-            out = torch.empty(global_elems, dtype=torch.float32, device=device)
-            shard = torch.ones(global_elems // topology.world_size, dtype=torch.float32, device=device)
+            out, shard = buffers(global_bytes or 4 * large_sizes["inter"], topology.world_size)
             # timed as often as the links: one timing read 0.86-1.63 of the links' prediction where three read 0.82-1.09
-            times += [float(global_elems), timed(lambda: comm.all_gather(out, shard, "global"), repeats, warm_up=True)]
+            times += [float(out.numel()), timed(lambda: comm.all_gather(out, shard, "global"), repeats, warm_up=True)]
     finally:
         comm.close()
     reduced = torch.tensor(times, dtype=torch.float64, device=device)
@@ -244,7 +247,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
             links.append(UNUSED_LINK)
             continue
         nbytes, small, large, reduce, *readings = t[per_scope * i:per_scope * (i + 1)]
-        elems_small, elems_large = (max(1, int(b) // (4 * k)) * k for b in (small_bytes, nbytes))
+        elems_small, elems_large = _elements(small_bytes, k), _elements(nbytes, k)
         overlap = statistics.median(overlap_from_times(compute, gathers, both)
                                     for gathers, compute, both in zip(*[iter(readings)] * 3))
         links.append(dataclasses.replace(fit_link(k, 4 * elems_small, small, 4 * elems_large, large), overlap=overlap))

@@ -81,12 +81,12 @@ def test_large_probe_gathers_are_sized_to_the_link():
     # (6.25 MB/s each) beyond 2 ms of latency it takes 2 ms + 83.9 ms; what that rate moves in 0.1 s is 625,000 B on
     # the link, a gather of 1,250,000 B
     pilot = 2**20
-    assert large_gather_bytes(2, pilot, 0.002 + 0.0838861, 0.002, 0.1, 4 * 2**20) == pytest.approx(1_250_000, rel=1e-4)
+    assert large_gather_bytes(pilot, 0.002 + 0.0838861, 0.002, 0.1, 4 * 2**20) == pytest.approx(1_250_000, rel=1e-4)
     # a fast link would want 10x the cap: the cap; a pilot slower than the target: never below the pilot's size
-    assert large_gather_bytes(2, pilot, 0.0011, 0.001, 0.1, 4 * 2**20) == 4 * 2**20
-    assert large_gather_bytes(2, pilot, 0.5, 0.001, 0.1, 4 * 2**20) == pilot
+    assert large_gather_bytes(pilot, 0.0011, 0.001, 0.1, 4 * 2**20) == 4 * 2**20
+    assert large_gather_bytes(pilot, 0.5, 0.001, 0.1, 4 * 2**20) == pilot
     # the pilot no slower than the small gather (noise): as fast as can be, the cap
-    assert large_gather_bytes(4, pilot, 0.001, 0.002, 0.1, 4 * 2**20) == 4 * 2**20
+    assert large_gather_bytes(pilot, 0.001, 0.002, 0.1, 4 * 2**20) == 4 * 2**20
 
 
 def test_fit_link_recovers_alpha_and_beta():
