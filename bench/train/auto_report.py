@@ -119,10 +119,13 @@ def replan_check(name: str) -> list[str]:
             step = switches[-1]["step"]
             after = run["each_step_seconds"][step - 1:]  # the window starts after step 1: index k times step k + 2
             rate = run["tokens_per_step"] * len(after) / sum(after)
+            paid = auto_tokens_per_s({**run, "timed_steps_from": 1})
             out.append(f"- {system}: switched {switches[-1]['from']} -> {switches[-1]['to']} after step {step} in"
                        f" {switches[-1]['seconds']:.2f} s; {rate:.1f} tokens/s over the {len(after)} steps after it"
                        f" ({rate / best['tokens_per_s']:.2f}x {best_name}); {run['tokens_per_s']:.1f} over the whole"
-                       f" window ({run['tokens_per_s'] / best['tokens_per_s']:.2f}x)")
+                       f" window of {len(run['each_step_seconds'])} steps ({run['tokens_per_s'] / best['tokens_per_s']:.2f}x);"
+                       f" {paid:.1f} with the probe and plan ({run['auto'].get('plan_seconds', 0.0):.1f} s) and the"
+                       f" switch paid ({paid / best['tokens_per_s']:.2f}x)")
     return out
 
 

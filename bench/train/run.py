@@ -108,6 +108,10 @@ REPLAN_SETTINGS = {
     # auto forced to start on NGG (fits, 0.55x IIG's speed here): its re-plan after step 4 must move it to the best.
     "2x2-100m-a4-m106-replan": Setting(2, 2, 100, 4, timed_steps=12, memory_budget=106e6,
                                        contenders=("paro_iig", "paro@NGG", "paro")),
+    # the same over a run of 80 steps: the 3 timed steps on NGG before the switch cost about 2.5 steps of IIG, which
+    # a run must be about 50 steps long to bring within 5%
+    "2x2-100m-a4-m106-replan-80": Setting(2, 2, 100, 4, timed_steps=80, memory_budget=106e6,
+                                          contenders=("paro_iig", "paro@NGG")),
 }
 """Settings of the re-planning check, apart from the planner's criterion (a longer run, a forced first plan);
 results beside the criterion's."""
