@@ -19,6 +19,14 @@ def _restore_environment():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _own_link_cache(tmp_path_factory):
+    """Each test gets an empty link cache (``sharding="auto"`` stores the links it probed there), so no test reuses
+    links another one measured; two fits within a test share it, as two jobs of a user do."""
+    os.environ["LIGHTNING_PARO_CACHE_DIR"] = str(tmp_path_factory.mktemp("link-cache"))
+    yield
+
+
 @pytest.fixture
 def world_of_one(monkeypatch):
     """A Communicator over a world of one CPU process, with its own default group (so its communication thread is

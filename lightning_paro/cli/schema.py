@@ -89,6 +89,8 @@ class ParoStrategyConfig:
     """AutoConfig.replan_margin: the predicted gain a switch needs (0.1: 10%)."""
     first_plan: Optional[str] = AUTO.first_plan
     """AutoConfig.first_plan: start with this strategy instead of the start-up plan's choice."""
+    link_cache: bool = AUTO.link_cache
+    """AutoConfig.link_cache: reuse links an earlier job measured on the same hosts once a pilot gather confirms them."""
     strategies: Optional[list] = None
     """AutoConfig.strategies: the strategies to choose among (a list such as [NNG, IIG]); null: all 14."""
     intra_gbps: Optional[float] = None
@@ -131,7 +133,7 @@ class ParoStrategyConfig:
             auto = AutoConfig(memory_budget=self.memory_budget, micro_step_seconds=self.micro_step_seconds,
                               intra=self._link("intra"), inter=self._link("inter"),
                               replan_after_steps=self.replan_after_steps, replan_margin=self.replan_margin,
-                              first_plan=self.first_plan,
+                              first_plan=self.first_plan, link_cache=self.link_cache,
                               strategies=tuple(self.strategies) if self.strategies is not None else None)
             return PaROOptions(sharding=self.sharding, group_size=self.group_size, units=_unit_classes(self.units),
                                prefetch=self.prefetch, chunk_bytes=self.chunk_bytes, log_traffic=self.log_traffic,

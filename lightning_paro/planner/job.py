@@ -17,9 +17,9 @@ from typing import Iterable
 from lightning_paro.planner.choose import DEFAULT_MEMORY_BUDGET, Plan, plan
 from lightning_paro.planner.cost_model import fastest_chunk_bytes
 from lightning_paro.planner.inputs import Cluster, Compute, Link
+from lightning_paro.planner.link_cache import links_for_job
 from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth
 from lightning_paro.planner.memory import agreed_maximum, agreed_minimum, device_memory_bytes
-from lightning_paro.planner.probe import probe_links
 from lightning_paro.planner.replan import Decision, decide, replan
 from lightning_paro.planner.report import describe_links, format_bytes
 from lightning_paro.planner.workload import workload_from_module
@@ -53,6 +53,9 @@ class AutoConfig:
     """Bytes/s of the optimizer update in the cost model's terms; None: time the job's optimizer class at start-up."""
     probe_bytes: int = 4 * 2**20
     """Buffer size of the bandwidth probe's large all-gathers."""
+    link_cache: bool = True
+    """Reuse the links an earlier job measured on the same hosts and groups once a pilot all-gather per link class
+    confirms them (``planner/link_cache.py``); False: run the whole probe every time."""
     reduce_scatter_factor: float | None = None
     """Reduce-scatter time over all-gather time; None: measured by the probe when it runs, else 1."""
     hierarchical_factor: float | None = None
@@ -106,6 +109,9 @@ class AutoConfig:
                 raise OptionError("first_plan", f"first_plan {self.first_plan} is not among strategies"
                                                 f" ({', '.join(self.strategies)}): the re-plan compares it with them;"
                                                 " add it to strategies.")
+        if not isinstance(self.link_cache, bool):
+            raise OptionError("link_cache", f"link_cache must be True (reuse links measured earlier once checked) or"
+                                            f" False (probe every time), got {self.link_cache!r}.")
         if not is_count(self.probe_bytes, 1):
             raise OptionError("probe_bytes", f"probe_bytes must be a positive number of bytes, got {self.probe_bytes!r}.")
 
@@ -122,7 +128,8 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
                  chunk_bytes: int | None = None, comm: CommDtypes = EXACT) -> Plan:
     """Plan for a running job (collective: call on every rank after the process groups exist).
 
-    Measures what ``config`` leaves open (links: :func:`probe_links`; memory: :func:`device_memory_bytes`, the
+    Measures what ``config`` leaves open (links: :func:`probe_links`, or the figures an earlier job stored once a
+    pilot gather confirms them, :func:`~lightning_paro.planner.link_cache.links_for_job`; memory: :func:`device_memory_bytes`, the
     smallest over ranks), describes the model with :func:`workload_from_module` and returns :func:`plan`'s result,
     the same on every rank. ``chunk_bytes`` is the strategy's HO-Ring chunk; None plans with the chunk the cost model
     predicts fastest for these links (:func:`~lightning_paro.planner.cost_model.fastest_chunk_bytes`), which the
@@ -139,11 +146,11 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
     probe_chunk = chunk_bytes or HOR_EXACT_SCOPES.chunk_bytes
     links = None
     if config.intra is None or config.inter is None:
-        links = probe_links(topology, device, large_bytes=config.probe_bytes, chunk_bytes=probe_chunk)
+        found = links_for_job(topology, device, config.probe_bytes, probe_chunk, use_cache=config.link_cache)
+        links = found.links
     intra = config.intra or links.intra
     inter = config.inter or links.inter
-    notes.append(f"links {'given' if links is None else 'measured by the start-up probe'}:"
-                 f" {describe_links(intra, inter)}")
+    notes.append(f"{'links given' if links is None else found.note}: {describe_links(intra, inter)}")
     factor = config.reduce_scatter_factor or (links.reduce_scatter_factor if links else 1.0)
     ho_factor = config.hierarchical_factor or (links.hierarchical_factor if links else 1.0)
     memory = config.device_memory

@@ -26,8 +26,11 @@ TARGET_TRANSFER_S = 0.1
 """A large all-gather moves what the pilot's bandwidth moves in this long (within its bounds)."""
 
 OVERLAP_REPEATS = 3
-"""Timings of a link's overlap with compute; the probe takes their median (one varies by tens of percent on a
-machine whose processors the ranks share)."""
+"""Timings of a link's transfers and compute together; the probe takes the median overlap over them (one varies by
+tens of percent on a machine whose processors the ranks share)."""
+
+PILOT_REPEATS = 3
+"""Timings of the pilot all-gather per link class; the probe (and a link cache's check) takes their median."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class MeasuredLinks:
     hierarchical_factor: float = 1.0
     """A global (HO-Ring) all-gather's time over what the two links predict for it; 1 when not measured (m = 1 or
     g = 1)."""
+    pilot_seconds: tuple[float, float] = (0.0, 0.0)
+    """Median time of the ``PILOT_BYTES`` all-gather on the intra- and inter-group links (0 where unused): what a
+    later job compares with before it reuses these figures (``link_cache.py``)."""
 
 
 def overlap_from_times(compute: float, comm: float, both: float) -> float:
@@ -135,6 +141,79 @@ def _matmuls(device, seconds_wanted: float, group) -> _MatmulLoop:
     return dataclasses.replace(loop, count=max(1, round(loop.count * seconds_wanted / max(figure.item(), 1e-9))))
 
 
+def _slowest(seconds: float, device, group) -> float:
+    """The largest of every rank's ``seconds`` (collective over ``group``)."""
+    import torch
+    import torch.distributed as dist
+
+    figure = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)
+    return figure.item()
+
+
+def _timed(run, count: int, device, group, warm_up: bool = False) -> float:
+    """Mean seconds of ``count`` calls of ``run`` on this rank, every rank of ``group`` starting at once."""
+    import torch.distributed as dist
+
+    if warm_up:  # connections, allocations
+        run()
+    _synchronize(device)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(count):
+        run()
+    _synchronize(device)
+    return (time.perf_counter() - start) / count
+
+
+def _gather_buffers(nbytes: float, ranks: int, device):
+    """Output and input of an all-gather of about ``nbytes`` over ``ranks`` ranks."""
+    import torch
+
+    elems = _elements(nbytes, ranks)
+    return (torch.empty(elems, dtype=torch.float32, device=device),
+            torch.ones(elems // ranks, dtype=torch.float32, device=device))
+
+
+def _pilot(comm, scope: str, ranks: int, device, world) -> float:
+    """Median over ``PILOT_REPEATS`` of the slowest rank's time for one ``PILOT_BYTES`` all-gather on ``scope``."""
+    out, shard = _gather_buffers(PILOT_BYTES, ranks, device)
+    return statistics.median(_slowest(_timed(lambda: comm.all_gather(out, shard, scope), 1, device, world), device,
+                                      world) for _ in range(PILOT_REPEATS))
+
+
+def _link_scopes(topology) -> list[tuple[str, int]]:
+    return [("intra", topology.group_size), ("inter", topology.num_groups)]
+
+
+def pilot_seconds(topology, device=None, chunk_bytes: int | None = None) -> tuple[float, float]:
+    """The probe's pilot all-gather timed again on the intra- and inter-group links (0 where unused), after one
+    small warm-up gather on each: the cheap check that links measured earlier still hold (collective: call on
+    every rank; every rank gets the same figures)."""
+    import torch
+
+    from lightning_paro.comm.accounting import TrafficMeter
+    from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    world = topology.groups.world
+    ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
+                                                                              chunk_bytes=chunk_bytes)
+    comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
+    figures = []
+    try:
+        for scope, k in _link_scopes(topology):
+            if k == 1:
+                figures.append(0.0)
+                continue
+            out, shard = _gather_buffers(4 * 2**10, k, device)
+            comm.all_gather(out, shard, scope)  # connections
+            figures.append(_pilot(comm, scope, k, device, world))
+    finally:
+        comm.close()
+    return figures[0], figures[1]
+
+
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
                 repeats: int = 3, chunk_bytes: int | None = None, global_bytes: int | None = None,
                 target_seconds: float = TARGET_TRANSFER_S) -> MeasuredLinks:
@@ -143,16 +222,16 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
     every rank communicates. Per link class: one warm-up gather, then ``repeats`` timed gathers of ``small_bytes``
     and of a large size, the slowest rank's mean counting. The large size is sized to the link: a pilot gather of
-    ``PILOT_BYTES`` gives a first bandwidth, and the large gather is what that bandwidth moves in ``target_seconds``,
-    at least ``PILOT_BYTES`` and at most ``large_bytes`` (a slow link is timed on a smaller buffer, so the probe's
-    cost stays about the same on every cluster). Intra-group, ``repeats`` reduce-scatters of the large size give the
-    ``reduce_scatter_factor``. A link's ``overlap`` is the median of ``OVERLAP_REPEATS`` readings of
-    :func:`overlap_from_times`, each from three timings over ``OVERLAP_WINDOW_S`` or more, every rank at once: a run
-    of large all-gathers issued on the engine's communication thread, matmuls sized to last as long while every rank
-    computes, and the two together. With several groups of several ranks, one warm-up and ``repeats`` all-gathers of
-    ``global_bytes`` (default: 4 x the inter-group large size, enough chunks for the pipeline to fill) over the whole
-    world run as the engine runs them (an HO-Ring with ``chunk_bytes`` chunks), and their time over the links'
-    prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
+    ``PILOT_BYTES`` (the median of ``PILOT_REPEATS``) gives a first bandwidth, and the large gather is what that
+    bandwidth moves in ``target_seconds``, at least ``PILOT_BYTES`` and at most ``large_bytes`` (a slow link is timed
+    on a smaller buffer, so the probe's cost stays about the same on every cluster). Intra-group, ``repeats``
+    reduce-scatters of the large size give the ``reduce_scatter_factor``. A link's ``overlap`` is the median of
+    :func:`overlap_from_times` over ``OVERLAP_REPEATS`` timings of a run of large all-gathers issued on the engine's
+    communication thread while every rank runs matmuls sized to last as long (``OVERLAP_WINDOW_S`` or more), against
+    one timing of each alone, every rank at once. With several groups of several ranks, one warm-up and ``repeats``
+    all-gathers of ``global_bytes`` (default: 4 x the inter-group large size, enough chunks for the pipeline to fill)
+    over the whole world run as the engine runs them (an HO-Ring with ``chunk_bytes`` chunks), and their time over
+    the links' prediction is the ``hierarchical_factor``. The probe's traffic goes to a meter of its own.
     """
     import torch
     import torch.distributed as dist
@@ -162,32 +241,17 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
 
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = topology.groups.world
-    scopes = [("intra", topology.group_size), ("inter", topology.num_groups)]
+    scopes = _link_scopes(topology)
     hierarchical = topology.group_size > 1 and topology.num_groups > 1
     ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
                                                                               chunk_bytes=chunk_bytes)
     comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
 
-    def slowest(seconds: float) -> float:
-        figure = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=world)
-        return figure.item()
-
     def timed(run, count: int, warm_up: bool = False) -> float:
-        if warm_up:  # connections, allocations
-            run()
-        _synchronize(device)
-        dist.barrier(group=world)
-        start = time.perf_counter()
-        for _ in range(count):
-            run()
-        _synchronize(device)
-        return (time.perf_counter() - start) / count
+        return _timed(run, count, device, world, warm_up)
 
-    def buffers(nbytes: float, k: int):
-        elems = _elements(nbytes, k)
-        return (torch.empty(elems, dtype=torch.float32, device=device),
-                torch.ones(elems // k, dtype=torch.float32, device=device))
+    def slowest(seconds: float) -> float:
+        return _slowest(seconds, device, world)
 
     def beside(compute, count: int, out, shard, scope) -> float:
         """Seconds until ``count`` all-gathers issued on the communication thread (none: 0) and ``compute`` (None:
@@ -203,37 +267,36 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         _synchronize(device)
         return time.perf_counter() - start
 
-    per_scope = 4 + 3 * OVERLAP_REPEATS
-    times = []  # per scope: large size, small all-gather, large all-gather, large reduce-scatter (intra only), then
-    #             per overlap reading: gathers alone, compute alone, the two together (per gather)
+    per_scope = 7 + OVERLAP_REPEATS
+    times = []  # per scope: large size, pilot, small all-gather, large all-gather, large reduce-scatter (intra only),
+    #             the overlap's gathers alone and compute alone (per gather), then the two together, repeated
     large_sizes = {}
     try:
         for scope, k in scopes:
             if k == 1:
                 times += [0.0] * per_scope
                 continue
-            out, shard = buffers(small_bytes, k)
+            out, shard = _gather_buffers(small_bytes, k, device)
             small = timed(lambda: comm.all_gather(out, shard, scope), repeats, warm_up=True)
-            out, shard = buffers(PILOT_BYTES, k)
             # sized from the slowest rank's figures, so that every rank gathers the same size
-            pilot = slowest(timed(lambda: comm.all_gather(out, shard, scope), 1))
-            nbytes = large_gather_bytes(4 * out.numel(), pilot, slowest(small), target_seconds, large_bytes)
+            pilot = _pilot(comm, scope, k, device, world)
+            nbytes = large_gather_bytes(4 * _elements(PILOT_BYTES, k), pilot, slowest(small), target_seconds,
+                                        large_bytes)
             large_sizes[scope] = nbytes
-            out, shard = buffers(nbytes, k)
+            out, shard = _gather_buffers(nbytes, k, device)
             large = timed(lambda: comm.all_gather(out, shard, scope), repeats)
             # the factor is the intra-group backend's; rail reduce-scatters are HO-Ring's, at the ideal volume
             reduce = timed(lambda: comm.reduce_scatter(shard, out, scope), repeats) if scope == "intra" else 0.0
-            times += [float(nbytes), small, large, reduce]
+            times += [float(nbytes), pilot, small, large, reduce]
             # overlap: enough large gathers (the same number on every rank) to fill OVERLAP_WINDOW_S
             slowest_gather = slowest(large)
             count = min(64, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather, 1e-9)))
             # as long as the gathers while every rank computes (the same loop on every rank)
             compute = _matmuls(device, count * slowest_gather, group=world)
-            for _ in range(OVERLAP_REPEATS):
-                times += [beside(None, count, out, shard, scope) / count, beside(compute, 0, out, shard, scope) / count,
-                          beside(compute, count, out, shard, scope) / count]
+            times += [beside(None, count, out, shard, scope) / count, beside(compute, 0, out, shard, scope) / count]
+            times += [beside(compute, count, out, shard, scope) / count for _ in range(OVERLAP_REPEATS)]
         if hierarchical:
-            out, shard = buffers(global_bytes or 4 * large_sizes["inter"], topology.world_size)
+            out, shard = _gather_buffers(global_bytes or 4 * large_sizes["inter"], topology.world_size, device)
             # timed as often as the links: one timing read 0.86-1.63 of the links' prediction where three read 0.82-1.09
             times += [float(out.numel()), timed(lambda: comm.all_gather(out, shard, "global"), repeats, warm_up=True)]
     finally:
@@ -241,16 +304,17 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     reduced = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=world)
     t = reduced.tolist()
-    links, factors = [], []
+    links, factors, pilots = [], [], []
     for i, (scope, k) in enumerate(scopes):
         if k == 1:
             links.append(UNUSED_LINK)
+            pilots.append(0.0)
             continue
-        nbytes, small, large, reduce, *readings = t[per_scope * i:per_scope * (i + 1)]
+        nbytes, pilot, small, large, reduce, gathers, compute, *together = t[per_scope * i:per_scope * (i + 1)]
         elems_small, elems_large = _elements(small_bytes, k), _elements(nbytes, k)
-        overlap = statistics.median(overlap_from_times(compute, gathers, both)
-                                    for gathers, compute, both in zip(*[iter(readings)] * 3))
+        overlap = statistics.median(overlap_from_times(compute, gathers, both) for both in together)
         links.append(dataclasses.replace(fit_link(k, 4 * elems_small, small, 4 * elems_large, large), overlap=overlap))
+        pilots.append(pilot)
         if scope == "intra":
             factors.append(reduce / large if large > 0 else 1.0)
     factor = 1.0
@@ -262,7 +326,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         if predicted > 0 and measured > 0:
             factor = min(4.0, max(0.25, measured / predicted))  # clamped: a noisy probe must not dominate the plan
     return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0),
-                         hierarchical_factor=factor)
+                         hierarchical_factor=factor, pilot_seconds=(pilots[0], pilots[1]))
 
 
 def _synchronize(device) -> None:

@@ -14,6 +14,7 @@ from lightning_paro.planner import (
     Cluster,
     Compute,
     Link,
+    MeasuredLinks,
     Workload,
     available_host_memory,
     device_memory_bytes,
@@ -26,6 +27,15 @@ from lightning_paro.planner import (
     overlap_from_times,
     plan,
     workload_from_module,
+)
+from lightning_paro.planner.link_cache import (
+    cache_dir,
+    cache_key,
+    links_from_json,
+    links_to_json,
+    pilots_agree,
+    read_cached,
+    write_cached,
 )
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 
@@ -87,6 +97,43 @@ def test_large_probe_gathers_are_sized_to_the_link():
     assert large_gather_bytes(pilot, 0.5, 0.001, 0.1, 4 * 2**20) == pilot
     # the pilot no slower than the small gather (noise): as fast as can be, the cap
     assert large_gather_bytes(pilot, 0.001, 0.002, 0.1, 4 * 2**20) == 4 * 2**20
+
+
+def test_link_cache_key_record_and_check():
+    key = cache_key(["a", "a", "b", "b"], 2, "gloo", "cpu", 2**20, 4 * 2**20)
+    assert key == cache_key(["a", "a", "b", "b"], 2, "gloo", "cpu", 2**20, 4 * 2**20)
+    # another host order (other ranks share a host), group size, backend or chunk is another cluster layout
+    assert len({key, cache_key(["a", "b", "a", "b"], 2, "gloo", "cpu", 2**20, 4 * 2**20),
+                cache_key(["a", "a", "b", "b"], 4, "gloo", "cpu", 2**20, 4 * 2**20),
+                cache_key(["a", "a", "b", "b"], 2, "nccl", "cuda", 2**20, 4 * 2**20),
+                cache_key(["a", "a", "b", "b"], 2, "gloo", "cpu", 2**19, 4 * 2**20)}) == 5
+    links = MeasuredLinks(Link(2e9, 1e-5, 0.5), Link(1e8, 2e-4, 1.0), 1.3, 0.9, (0.002, 0.09))
+    assert links_from_json(json.loads(json.dumps(links_to_json(links)))) == links
+    record = links_to_json(links)
+    assert links_from_json({**record, "format": record["format"] + 1}) is None  # another version's record
+    assert links_from_json({k: v for k, v in record.items() if k != "inter"}) is None
+    assert links_from_json("not a record") is None
+    # hand-made: 0.09 s stored, 0.1 s now: 1.11x, kept; 0.2 s now: 2.22x, over the 2x tolerance
+    agree, ratios = pilots_agree((0.002, 0.09), (0.003, 0.1))
+    assert agree and ratios == pytest.approx([1.5, 0.1 / 0.09])
+    assert not pilots_agree((0.002, 0.09), (0.002, 0.2))[0]
+    assert not pilots_agree((0.002, 0.09), (0.002, 0.04))[0]  # faster by more than 2x: also another fabric
+    assert pilots_agree((0.002, 0.0), (0.002, 0.0)) == (True, [1.0])  # one group: no inter-group link
+    assert not pilots_agree((0.002, 0.0), (0.002, 0.1))[0]
+
+
+def test_link_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTNING_PARO_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("LIGHTNING_PARO_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "lightning_paro"
+    path = tmp_path / "xdg" / "lightning_paro" / "links-x.json"
+    links = MeasuredLinks(Link(2e9), Link(1e8), pilot_seconds=(0.002, 0.09))
+    write_cached(path, links)  # creates the directory; no temporary file left
+    assert read_cached(path) == links and [p.name for p in path.parent.iterdir()] == ["links-x.json"]
+    path.write_text("{half a rec")
+    assert read_cached(path) is None
 
 
 def test_fit_link_recovers_alpha_and_beta():
@@ -266,3 +313,15 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
     notes = "\n".join(first["measured_notes"])
     assert "compute per micro-step not known yet: none assumed" in notes and "links measured" in notes
     assert "AdamW stepped over" in notes  # the update bandwidth timed on the job's optimizer class
+    # link cache: the first plan probed and stored (no stored links yet), the second reused those figures after a
+    # pilot check, on every rank alike
+    assert "no stored links for these hosts and groups; stored for the next job" in notes
+    assert first["stored_files"] == 1
+    for r in results:
+        for field in ("intra", "inter", "reduce_scatter_factor", "hierarchical_factor", "chunk_bytes"):
+            assert r["again_cluster"][field] == first["measured_cluster"][field], field
+        assert r["again_notes"][0].startswith("links from the link cache, checked: pilot all-gathers at")
+    # a stored pilot ten times what the links now take fails the check: probed again, and the record replaced
+    assert first["stale"][0] == "probe" and "failed the check" in first["stale"][1]
+    assert all(0 < p < q for p, q in zip(first["rewritten_pilots"], first["tampered_pilots"]))
+    assert first["off"] == ["probe", "links measured by the start-up probe"]

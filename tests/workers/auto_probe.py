@@ -1,4 +1,5 @@
-"""One rank of the start-up planning test: probe the links, read the memory, plan for a small model.
+"""One rank of the start-up planning test: probe the links, read the memory, plan for a small model; plan again
+from the link cache, then with a stored link that fails the pilot check, then with the cache off.
 
 Usage: auto_probe.py OUT_DIR GROUP_SIZE. Writes OUT_DIR/<rank>.json.
 """
@@ -13,8 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_paro.comm.collectives import HOR_EXACT_SCOPES
 from lightning_paro.comm.topology import Topology
 from lightning_paro.planner import AutoConfig, plan_for_job, probe_links
+from lightning_paro.planner.link_cache import cache_dir, links_for_job
 from lightning_paro.planner.probe import _matmuls
 
 
@@ -41,6 +44,21 @@ def main() -> None:
     result = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size,
                           config=AutoConfig(intra=links.intra, inter=links.inter, micro_step_seconds=0.01))
     measured = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
+    # the links the probe just stored (in the test's own cache directory), reused after a pilot check
+    again = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
+    stored = sorted(cache_dir().glob("links-*.json"))
+    dist.barrier()
+    if topo.rank == 0:  # a link ten times slower than stored: the check must fail and the probe run again
+        record = json.loads(stored[0].read_text())
+        record["pilot_seconds"] = tampered = [10 * p for p in record["pilot_seconds"]]
+        stored[0].write_text(json.dumps(record))
+    dist.barrier()
+    stale = links_for_job(topo, torch.device("cpu"), AutoConfig().probe_bytes, HOR_EXACT_SCOPES.chunk_bytes)
+    dist.barrier()
+    rewritten = json.loads(stored[0].read_text())["pilot_seconds"] if topo.rank == 0 else None
+    tampered = tampered if topo.rank == 0 else None
+    off = links_for_job(topo, torch.device("cpu"), AutoConfig().probe_bytes, HOR_EXACT_SCOPES.chunk_bytes,
+                        use_cache=False)
     dist.barrier()
     (out / f"{topo.rank}.json").write_text(json.dumps({
         "links": dataclasses.asdict(links), "probe_seconds": probe_seconds, "compute_loop": compute_loop.count,
@@ -50,6 +68,9 @@ def main() -> None:
         "workload": dataclasses.asdict(result.workload),
         "candidates": [c.strategy for c in result.candidates],
         "measured_choice": measured.choice, "measured_reason": measured.reason, "measured_notes": list(measured.notes),
+        "measured_cluster": dataclasses.asdict(measured.cluster), "again_cluster": dataclasses.asdict(again.cluster),
+        "again_notes": list(again.notes), "stored_files": len(stored), "stale": [stale.source, stale.note],
+        "rewritten_pilots": rewritten, "tampered_pilots": tampered, "off": [off.source, off.note],
     }))
     dist.destroy_process_group()
 

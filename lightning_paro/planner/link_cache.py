@@ -1,0 +1,160 @@
+"""Links measured by an earlier job, kept on disk and reused once a cheap check confirms them.
+
+The start-up probe (``probe.py``) costs seconds: a few all-gathers per link class, their overlap with compute and a
+global HO-Ring gather. A job started again on the same hosts (a restart, the next run of a sweep) mostly meets the
+same links, so rank 0 keeps the probe's figures in a JSON file named after what they depend on: the host of every
+rank in rank order (which fixes the groups and which ranks share a host), the group size, the backend, the device
+type, the HO-Ring chunk and the probe's own sizes. The next job with the same key times only the probe's pilot
+all-gather on each link class (:func:`~lightning_paro.planner.probe.pilot_seconds`, a few tenths of a second) and
+reuses the stored figures when every pilot is within ``TOLERANCE`` of the stored one; otherwise it runs the whole
+probe and stores the new figures. Every rank uses rank 0's file (broadcast), so every rank plans with the same
+figures.
+
+The directory is ``$LIGHTNING_PARO_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_paro``, else
+``~/.cache/lightning_paro``; ``AutoConfig(link_cache=False)`` probes every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_paro.planner.inputs import Link
+from lightning_paro.planner.probe import (
+    PILOT_BYTES,
+    MeasuredLinks,
+    pilot_seconds,
+    probe_links,
+)
+
+FORMAT = 1
+"""Version of the stored figures and of the probe that made them: a file of another version is not used."""
+
+TOLERANCE = 2.0
+"""A stored link is reused while its pilot all-gather takes between 1/TOLERANCE and TOLERANCE times its stored
+time. Looser than the probe's own noise (a 2 ms pilot on processors the ranks share varies up to 4x between
+timings, a 0.1 s one by about 1.3x), tight enough to catch a different fabric or link rate (10x between the
+benchmark's 100 Mbit/s and 1 Gbit/s)."""
+
+ENV_DIR = "LIGHTNING_PARO_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where stored links live: ``$LIGHTNING_PARO_CACHE_DIR``, ``$XDG_CACHE_HOME/lightning_paro`` or
+    ``~/.cache/lightning_paro``."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lightning_paro"
+
+
+@dataclass(frozen=True)
+class CachedLinks:
+    """What :func:`links_for_job` used and how it got them."""
+
+    links: MeasuredLinks
+    """The figures the plan uses."""
+    source: str
+    """"probe" (measured now, no stored figures or stored ones that failed the check), "cache" (stored, checked)."""
+    note: str
+    """One line for the plan's notes: where the figures came from, and the check's ratios."""
+
+
+def cache_key(hosts: list[str], group_size: int, backend: str, device_type: str, chunk_bytes: int,
+              large_bytes: int) -> str:
+    """File name (without suffix) of the stored links of one cluster layout; pure."""
+    text = json.dumps({"format": FORMAT, "hosts": hosts, "group_size": group_size, "backend": backend,
+                       "device": device_type, "chunk_bytes": chunk_bytes, "large_bytes": large_bytes,
+                       "pilot_bytes": PILOT_BYTES}, sort_keys=True)
+    return "links-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def links_to_json(links: MeasuredLinks) -> dict[str, Any]:
+    return {"format": FORMAT, **dataclasses.asdict(links)}
+
+
+def links_from_json(data: Any) -> Optional[MeasuredLinks]:
+    """The stored figures, or None when ``data`` is not a complete record of this ``FORMAT`` (a file from another
+    version, a partial write by hand): it is then probed again and overwritten."""
+    try:
+        if data.get("format") != FORMAT:
+            return None
+        links = MeasuredLinks(intra=Link(**data["intra"]), inter=Link(**data["inter"]),
+                              reduce_scatter_factor=float(data["reduce_scatter_factor"]),
+                              hierarchical_factor=float(data["hierarchical_factor"]),
+                              pilot_seconds=(float(data["pilot_seconds"][0]), float(data["pilot_seconds"][1])))
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        return None
+    return links if all(p >= 0 for p in links.pilot_seconds) else None
+
+
+def pilots_agree(stored: tuple[float, float], measured: tuple[float, float],
+                 tolerance: float = TOLERANCE) -> tuple[bool, list[float]]:
+    """Whether every used link's measured pilot is within ``tolerance`` of the stored one (a link class unused in
+    one and used in the other disagrees), with the measured/stored ratio per used link; pure."""
+    ratios, agree = [], True
+    for old, new in zip(stored, measured):
+        if old == 0 and new == 0:
+            continue
+        if old <= 0 or new <= 0:
+            return False, ratios
+        ratios.append(new / old)
+        agree = agree and 1 / tolerance <= new / old <= tolerance
+    return agree, ratios
+
+
+def read_cached(path: Path) -> Optional[MeasuredLinks]:
+    try:
+        return links_from_json(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(path: Path, links: MeasuredLinks) -> None:
+    """Write atomically (a temporary file renamed over the old one): a job reading it never sees half a file. A
+    directory that cannot be written only costs the next job its probe."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**links_to_json(links), "written": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def links_for_job(topology, device, large_bytes: int, chunk_bytes: int, use_cache: bool = True) -> CachedLinks:
+    """The links for a job's plan: stored ones that pass the pilot check, else :func:`probe_links`'s (then stored).
+    Collective: call on every rank; every rank gets rank 0's figures."""
+    import torch.distributed as dist
+
+    if not use_cache:
+        return CachedLinks(probe_links(topology, device, large_bytes=large_bytes, chunk_bytes=chunk_bytes), "probe",
+                           "links measured by the start-up probe")
+    world = topology.groups.world
+    hosts = [None] * topology.world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=world)
+    path = cache_dir() / (cache_key(hosts, topology.group_size, dist.get_backend(world), device.type, chunk_bytes,
+                                    large_bytes) + ".json")
+    box = [read_cached(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=world, device=device if device.type == "cuda" else None)
+    stored = box[0]
+    why = "no stored links for these hosts and groups"
+    if stored is not None:
+        measured = pilot_seconds(topology, device, chunk_bytes=chunk_bytes)
+        agree, ratios = pilots_agree(stored.pilot_seconds, measured)
+        shown = ", ".join(f"{r:.2f}x" for r in ratios)
+        if agree:
+            return CachedLinks(stored, "cache", f"links from the link cache, checked: pilot all-gathers at {shown}"
+                                                f" of the stored times (within {TOLERANCE:g}x)")
+        why = f"the stored links failed the check (pilot all-gathers at {shown} of the stored times)"
+    links = probe_links(topology, device, large_bytes=large_bytes, chunk_bytes=chunk_bytes)
+    if dist.get_rank() == 0:
+        write_cached(path, links)
+    return CachedLinks(links, "probe", f"links measured by the start-up probe ({why}; stored for the next job)")
