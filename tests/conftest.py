@@ -1,8 +1,15 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# sharding="auto" stores the links it probed (planner/link_cache.py): never in the user's own cache, also not from
+# fixtures that start jobs before a test's own directory is set (below)
+os.environ["LIGHTNING_PARO_CACHE_DIR"] = _LINK_CACHE = tempfile.mkdtemp(prefix="paro-link-cache-")
+atexit.register(shutil.rmtree, _LINK_CACHE, True)
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from choice import SettingResult, always, best_fitting, choice_matters, lowest_memory_that_fits, score  # noqa: E402
 from run import CHOICE_RESULTS as RESULTS  # noqa: E402
-from run import CHOICE_SETTINGS, REPLAN_SETTINGS  # noqa: E402
+from run import CHOICE_SETTINGS, REPLAN_SETTINGS, RUN_RESULTS, RUN_SETTINGS  # noqa: E402
 
 
 def auto_tokens_per_s(row: dict) -> float:
@@ -52,6 +52,21 @@ def steps_to_pay_back(best_tokens_per_s: float, auto_tokens_per_s: float, tokens
     s_a, s_b = tokens_per_step / auto_tokens_per_s, tokens_per_step / best_tokens_per_s
     gap = s_b - (1 - within) * s_a
     return (1 - within) * start_seconds / gap if gap > 0 else float("inf")
+
+
+def links_source(run: dict) -> str:
+    """Where a run of ``auto`` got its links: "cache" (stored by an earlier run, checked), "probe" or "given"."""
+    first = (run.get("auto", {}).get("notes") or [""])[0]
+    return "cache" if first.startswith("links from the link cache") else "given" if first.startswith(
+        "links given") else "probe"
+
+
+def median_paid(row: dict | None, warmup: int) -> float | None:
+    """The median over a row's runs of ``auto_tokens_per_s`` (probe, plan and switches paid), or None."""
+    if row is None or "auto" not in row:
+        return None
+    paid = sorted(auto_tokens_per_s({**r, "timed_steps_from": warmup}) for r in row.get("runs", [row]))
+    return paid[len(paid) // 2]
 
 
 def load(name: str) -> tuple[SettingResult, dict] | None:
@@ -92,6 +107,11 @@ def load(name: str) -> tuple[SettingResult, dict] | None:
              "switches": [r["auto"].get("switches", []) for _, _, r in runs], "budget": budget,
              "measured_footprint": measured, "predicted_memory": predicted, "activations": activations,
              "plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2) for _, _, r in runs],
+             "links_source": [links_source(r) for _, _, r in runs],
+             "cold_tokens_per_s_paid": median_paid(rows.get("paro-cold"), warmup),
+             "cold_plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2)
+                                   for r in rows.get("paro-cold", {}).get("runs", [rows["paro-cold"]])]
+             if "paro-cold" in rows else [],
              "window_seconds": [round(r["seconds"], 1) for _, _, r in runs]}
     return setting, extra
 
@@ -129,6 +149,55 @@ def replan_check(name: str) -> list[str]:
     return out
 
 
+def run_set(fits: dict[str, frozenset]) -> tuple[list[str], dict]:
+    """The run set (``run.py --set run``): per setting, auto's runs with their start-up paid against the best fixed
+    strategy measured in the same passes (median runs), the first run of auto (empty link cache: the whole probe)
+    and the later ones (links from the cache) apart; ``fits``: the choice set's fitting strategies per setting."""
+    lines = ["| setting | steps timed | best fixed (tokens/s) | auto: picks | auto: start-up (s; links from) |"
+             " auto / best, start-up paid: each run | median | first run (whole probe) |", "|---|---|---|---|---|---|---|---|"]
+    out, within, within_cold, counted = {}, [], [], 0
+    for name, setting in RUN_SETTINGS.items():
+        path = RUN_RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        rows = {r["system"]: r for r in json.loads(path.read_text())["rows"] if "error" not in r}
+        fixed = {k[len("paro_"):].upper(): float(r["tokens_per_s"]) for k, r in rows.items()
+                 if k.startswith("paro_") and r.get("tokens_per_s")}
+        auto = rows.get("paro")
+        if not fixed or auto is None:
+            continue
+        counted += 1
+        best = max(fixed, key=fixed.get)
+        runs = auto.get("runs", [auto])
+        paid = [auto_tokens_per_s({**r, "timed_steps_from": 1}) / fixed[best] for r in runs]
+        sources = [links_source(r) for r in runs]
+        picks = [r["auto"].get("in_use") for r in runs]
+        median = sorted(paid)[len(paid) // 2]
+        cold = [p for p, w in zip(paid, sources) if w == "probe"]
+        fitting = all(p in fits.get(name, {p}) for p in picks)
+        if median >= 0.95 and fitting:
+            within.append(name)
+        if cold and cold[0] >= 0.95 and fitting:
+            within_cold.append(name)
+        out[name] = {"timed_steps": setting.timed_steps, "fixed_tokens_per_s": fixed, "best": best,
+                     "auto_picks": picks, "plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2) for r in runs],
+                     "links_source": sources, "auto_over_best_paid": [round(p, 3) for p in paid],
+                     "median": round(median, 3), "first_run_whole_probe": round(cold[0], 3) if cold else None}
+        lines.append(f"| {name} | {setting.timed_steps} | {', '.join(f'{k} {v:.0f}' for k, v in fixed.items())} |"
+                     f" {', '.join(map(str, picks))} |"
+                     f" {', '.join(f'{t} ({w})' for t, w in zip(out[name]['plan_seconds'], sources))} |"
+                     f" {', '.join(f'{p:.2f}' for p in paid)} | {median:.2f} |"
+                     f" {f'{cold[0]:.2f}' if cold else '-'} |")
+    if not counted:
+        return [], {}
+    lines += ["", f"- auto, start-up paid (median of its runs; the first with the whole probe, the others with links"
+                  f" from the cache): within 5% of the best fixed strategy in {len(within)} of {counted} settings"
+                  f" ({', '.join(sorted(set(out) - set(within))) or 'no misses'} missed).",
+              f"- auto's first run of each setting alone (the whole probe): within 5% in {len(within_cold)} of"
+              f" {counted} ({', '.join(sorted(set(out) - set(within_cold))) or 'no misses'} missed)."]
+    return lines, {"settings": out, "within_5pct": within, "within_5pct_first_run": within_cold}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=",".join(CHOICE_SETTINGS))
@@ -137,7 +206,10 @@ def main() -> None:
     results = [v[0] for v in loaded.values() if v]
     extras = {n: v[1] for n, v in loaded.items() if v}
     pick = lambda s: extras[s.name]["auto_pick"]  # noqa: E731
-    pickers = {"auto": pick, "auto, its probe, plan and switches paid in the window": pick, "always NNG": always("NNG"),
+    cold = {n: e["cold_tokens_per_s_paid"] for n, e in extras.items() if e["cold_tokens_per_s_paid"]}
+    pickers = {"auto": pick, "auto, its probe, plan and switches paid in the window": pick,
+               **({"auto with the link cache off (the whole probe), paid in the window": pick} if cold else {}),
+               "always NNG": always("NNG"),
                "always the lowest-memory strategy that fits": lowest_memory_that_fits,
                "the best fitting strategy (oracle)": best_fitting}
     scores = {}
@@ -145,12 +217,15 @@ def main() -> None:
         own = None
         if label == "auto":
             own = {n: e["auto_tokens_per_s"] for n, e in extras.items()}
+        elif label.startswith("auto with the link cache off"):
+            own = {n: cold.get(n, 0.0) for n in extras}
         elif label.startswith("auto"):
             own = {n: e["auto_tokens_per_s_paid"] for n, e in extras.items()}
         scores[label] = score(results, picker, own_tokens_per_s=own)
     lines = ["| setting | budget | fitting (measured tokens/s) | best | auto's picks | auto tokens/s (runs) | auto / best |"
-             " probe and plan (s) | auto / best, probe paid | steps until within 5%, probe paid | always NNG / best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             " probe and plan (s; links from) | auto / best, probe paid | steps until within 5%, probe paid |"
+             " cache off: probe and plan (s) | cache off: auto / best, probe paid | always NNG / best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in results:
         e = extras[s.name]
         fitting = ", ".join(f"{k} {s.tokens_per_s[k]:.0f}" for k in sorted(s.fits, key=lambda k: -s.tokens_per_s[k]))
@@ -159,12 +234,17 @@ def main() -> None:
         start = sorted(e["plan_seconds"])[len(e["plan_seconds"]) // 2]
         payback = steps_to_pay_back(s.tokens_per_s[s.best], e["auto_tokens_per_s"], e["tokens_per_step"], start)
         e["steps_until_within_5pct"] = payback if payback != float("inf") else None
+        cold_paid = e["cold_tokens_per_s_paid"]
+        cold_ratio = f"{cold_paid / s.tokens_per_s[s.best]:.2f}" if cold_paid else "-"
         lines.append(f"| {s.name} | {budget} | {fitting} | {s.best} | {', '.join(map(str, e['auto_picks']))} |"
                      f" {e['auto_tokens_per_s']:.1f} ({', '.join(map(str, e['auto_runs']))}) |"
                      f" {e['auto_tokens_per_s'] / s.tokens_per_s[s.best]:.2f} |"
-                     f" {', '.join(map(str, e['plan_seconds']))} |"
+                     f" {', '.join(f'{t} ({w})' for t, w in zip(e['plan_seconds'], e['links_source']))} |"
                      f" {e['auto_tokens_per_s_paid'] / s.tokens_per_s[s.best]:.2f} |"
-                     f" {math.ceil(payback) if payback != float('inf') else 'never'} | {nng} |")
+                     f" {math.ceil(payback) if payback != float('inf') else 'never'} |"
+                     f" {', '.join(map(str, e['cold_plan_seconds'])) or '-'} |"
+                     f" {cold_ratio} |"
+                     f" {nng} |")
     lines += ["", f"The choice matters in this set: {'yes' if choice_matters(results) else 'no'} ({len(results)}"
               f" settings; best other than NNG in {sum(s.best != 'NNG' for s in results)}:"
               f" {', '.join(sorted({s.best for s in results if s.best != 'NNG'}))}).", ""]
@@ -182,14 +262,18 @@ def main() -> None:
             footprint.append(f"| {s.name} | {k} | {e['predicted_memory'].get(k, float('nan')) / 1e6:.1f} |"
                              f" {m / 1e6:.1f} | {'yes' if k in s.fits else 'no'} |" if m is not None else "")
     checks = [line for name in REPLAN_SETTINGS for line in replan_check(name)]
-    text = "\n".join(lines + footprint + ([""] + checks if checks else []))
+    run_lines, run_json = run_set({s.name: s.fits for s in results})
+    run_part = ["", "Run set (bench/results/train/run/): auto over runs of about 40 s, its probe, plan and switches"
+                    " paid, against the best fixed strategy run in the same passes.", "", *run_lines
+                ] if run_lines else []
+    text = "\n".join(lines + footprint + ([""] + checks if checks else []) + run_part)
     (RESULTS / "auto.md").write_text(text + "\n")
     (RESULTS / "auto.json").write_text(json.dumps({
         "settings": {s.name: {"tokens_per_s": dict(s.tokens_per_s), "fits": sorted(s.fits), "best": s.best,
                               **extras[s.name]} for s in results},
         "scores": {k: {"passed": v.passed, "reason": v.reason, "picks": dict(v.picks), "misses": list(v.misses)}
                    for k, v in scores.items()},
-        "choice_matters": choice_matters(results)}, indent=2))
+        "choice_matters": choice_matters(results), "run_set": run_json}, indent=2))
     print(text)
 
 

@@ -10,11 +10,14 @@ Results are written after every system, and a rerun skips systems that already h
 ``--more N`` adds N runs of every listed system to the ones it has, pass by pass over the systems (so a busy spell of
 the machine hits every system alike); a system's row is then its run of median tokens/s, and ``runs`` holds them all.
 
+``--set run`` runs auto against the choice set's best fixed strategy over runs of about 40 s (``RUN_SETTINGS``),
+with results in ``bench/results/train/run/``; each setting's first run of auto starts with an empty link cache.
+
 ``--set choice`` runs the settings ``sharding="auto"`` is scored on (``CHOICE_SETTINGS``: auto beside the strategies
 that contend there) and the re-planning check, with results in ``bench/results/train/choice/``; ``--fresh`` drops
 the listed systems' stored runs before ``--more`` adds new ones.
 
-Usage (root): ``python bench/train/run.py [--set sweep|choice] [--settings 2x2-100m-a4,...]
+Usage (root): ``python bench/train/run.py [--set sweep|choice|run] [--settings 2x2-100m-a4,...]
 [--systems ddp,fsdp2,paro_iig,...] [--redo] [--fresh] [--more N]``
 """
 
@@ -23,7 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +41,10 @@ RESULTS = ROOT / "bench" / "results" / "train"
 PARO = ["paro_" + s.lower() for s in ("NNN", "NNI", "NNG", "NIG", "NGG", "INI", "ING", "IIG", "IGG", "GNG", "GIG",
                                       "GGG", "NII", "III")]
 SYSTEMS = ["ddp", "fsdp2", "hsdp", *PARO, "paro"]
+"""``paro`` is ``sharding="auto"`` with its defaults (its link cache on: a later run on the same emulated cluster
+reuses the links an earlier one probed, once checked). Also runnable by name: ``paro-cold`` (auto with
+``strategy.link_cache=false``: the whole probe, as on a first job on these hosts) and ``paro@NGG`` (auto started on
+NGG)."""
 
 
 @dataclass(frozen=True)
@@ -116,16 +125,39 @@ REPLAN_SETTINGS = {
 """Settings of the re-planning check, apart from the planner's criterion (a longer run, a forced first plan);
 results beside the criterion's."""
 CHOICE_RESULTS = RESULTS / "choice"
+
+RUN_STEPS = {"2x2-1g-a1": 67, "2x2-1g-a4": 38, "2x2-100m-a1": 10, "2x2-100m-a4": 9, "4x2-100m-a1": 7,
+             "4x2-100m-a4": 6, "2x2-100m-a4-peft": 42, "4x2-100m-a4-peft": 25, "2x2-100m-a4-m106": 7,
+             "2x2-100m-a4-m96": 5, "4x2-100m-a4-m96": 5, "2x2-100m-a8-m106": 5}
+"""Timed steps per setting of the run set: about 40 s of training at the step times of the choice set (at least 5,
+so the re-plan after step 4 falls inside)."""
+RUN_SETTINGS = {
+    # auto against the best fixed strategy of the choice set (bench/results/train/choice/auto.md) over runs of about
+    # 40 s, auto's probe, plan and switches paid: the first run of each setting starts with an empty link cache (the
+    # whole probe, as a first job on these hosts), the later ones reuse what it stored
+    name: dataclasses.replace(CHOICE_SETTINGS[name], timed_steps=RUN_STEPS[name], contenders=(best, "paro"))
+    for name, best in {
+        "2x2-1g-a1": "paro_ngg", "2x2-1g-a4": "paro_nng", "2x2-100m-a1": "paro_ngg", "2x2-100m-a4": "paro_nng",
+        "4x2-100m-a1": "paro_ngg", "4x2-100m-a4": "paro_nng", "2x2-100m-a4-peft": "paro_nng",
+        "4x2-100m-a4-peft": "paro_nng", "2x2-100m-a4-m106": "paro_iig", "2x2-100m-a4-m96": "paro_igg",
+        "4x2-100m-a4-m96": "paro_iig", "2x2-100m-a8-m106": "paro_iig"}.items()}
+"""The run set: ``sharding="auto"`` over runs of about 40 s against the choice set's best fixed strategy, with its
+start-up paid (``auto_report.py``'s second table)."""
+RUN_RESULTS = RESULTS / "run"
+LINK_CACHE = Path("/tmp") / "paro-train-bench" / "link-cache"
+"""The run set's link cache (``LIGHTNING_PARO_CACHE_DIR``), emptied before each of its settings."""
 MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64", "data.batch_size=1"]
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
 
 
 def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = ()) -> dict:
     """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes)."""
-    if system.split("@")[0] == "paro":  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
+    if system.split("@")[0] in ("paro", "paro-cold"):  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
         strategy = ["strategy=paro", "strategy.sharding=auto"]
         if "@" in system:
             strategy.append(f"strategy.first_plan={system.split('@')[1]}")
+        if system.startswith("paro-cold"):  # the whole link probe, as a first job on these hosts runs it
+            strategy.append("strategy.link_cache=false")
         if s.memory_budget is not None:
             strategy.append(f"strategy.memory_budget={s.memory_budget:.0f}")
     else:
@@ -167,9 +199,9 @@ def with_run(old: Optional[dict], new: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--set", choices=("sweep", "choice"), default="sweep",
+    ap.add_argument("--set", choices=("sweep", "choice", "run"), default="sweep",
                     help="sweep: every system (results/train/); choice: auto's criterion and the re-planning check"
-                         " (results/train/choice/)")
+                         " (results/train/choice/); run: auto over longer runs, start-up paid (results/train/run/)")
     ap.add_argument("--settings", default=None, help="default: every setting of the set")
     ap.add_argument("--systems", default=None, help="default: the setting's contenders, else every system")
     ap.add_argument("--redo", action="store_true", help="rerun the listed systems even where they have a result (others are kept)")
@@ -178,8 +210,8 @@ def main() -> None:
     ap.add_argument("--more", type=int, default=0, metavar="N",
                     help="add N runs of each listed system, pass by pass; rows become the median run")
     args = ap.parse_args()
-    settings, results = (SETTINGS, RESULTS) if args.set == "sweep" else ({**CHOICE_SETTINGS, **REPLAN_SETTINGS},
-                                                                          CHOICE_RESULTS)
+    settings, results = {"sweep": (SETTINGS, RESULTS), "choice": ({**CHOICE_SETTINGS, **REPLAN_SETTINGS}, CHOICE_RESULTS),
+                         "run": (RUN_SETTINGS, RUN_RESULTS)}[args.set]
     results.mkdir(parents=True, exist_ok=True)
     for name in (args.settings.split(",") if args.settings else list(settings)):
         if name not in settings:
@@ -191,6 +223,9 @@ def main() -> None:
         listed = args.systems.split(",") if args.systems else list(s.contenders or SYSTEMS)
         if args.fresh:
             rows = {k: v for k, v in rows.items() if k not in listed}
+        if args.set == "run":  # this setting's first run of auto probes; the later ones find its links stored
+            shutil.rmtree(LINK_CACHE, ignore_errors=True)
+            os.environ["LIGHTNING_PARO_CACHE_DIR"] = str(LINK_CACHE)
         for system in listed * max(1, args.more):  # --more: pass after pass over the systems
             if system in rows and not (args.redo or args.more):
                 continue

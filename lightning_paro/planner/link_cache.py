@@ -134,7 +134,7 @@ def links_for_job(topology, device, large_bytes: int, chunk_bytes: int, use_cach
     Collective: call on every rank; every rank gets rank 0's figures."""
     import torch.distributed as dist
 
-    if not use_cache:
+    if not use_cache or topology.world_size == 1:  # one rank: no link to measure, nothing worth storing
         return CachedLinks(probe_links(topology, device, large_bytes=large_bytes, chunk_bytes=chunk_bytes), "probe",
                            "links measured by the start-up probe")
     world = topology.groups.world

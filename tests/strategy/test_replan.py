@@ -137,7 +137,7 @@ def test_replan_options_are_checked(kwargs, option):
 @pytest.fixture(scope="module")
 def replan_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("replan")
-    logs = launch("replan.py", 4, str(out), timeout=420)
+    logs = launch("replan.py", 4, str(out), timeout=420, extra_env={"LIGHTNING_PARO_CACHE_DIR": str(out / "links")})
 
     def result(job, rank=0):
         return json.loads((out / f"{job}.{rank}.json").read_text())
@@ -195,3 +195,15 @@ def test_the_plan_keeps_every_figure_it_measured(replan_runs):
     assert early["strategy"] == "GGG" and "measured on the first step" in "\n".join(early["notes"])
     off = result("off")
     assert off["switches"] == [] and "re-plan" not in "\n".join(off["notes"])
+
+
+@pytest.mark.timeout(480)
+def test_a_second_job_plans_with_the_links_the_first_probed(replan_runs):
+    """Two fits under sharding="auto" with nothing given, one after the other: the first probes and stores its links,
+    the second checks them with pilot gathers and plans with the same figures, on every rank."""
+    result, _, _ = replan_runs
+    for r in range(4):
+        first, second = result("probed", r), result("probed-again", r)
+        assert first["notes"][0].startswith("links measured by the start-up probe (no stored links")
+        assert second["notes"][0].startswith("links from the link cache, checked: pilot all-gathers at")
+        assert second["links"] == first["links"] == result("probed", 0)["links"]

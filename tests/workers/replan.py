@@ -18,6 +18,7 @@ Per job and rank: OUT_DIR/ID.RANK.json (losses, the strategy at the end, switche
 rank 0 also saves the final weights to OUT_DIR/ID.pt.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -103,7 +104,8 @@ def run(job_id: str, strategy: PaROStrategy, epochs: int, resume=None, save=None
               "notes": list(plan.notes) if plan else None,
               "activation_bytes": plan.workload.activation_bytes if plan else None,
               "micro_step_seconds": plan.compute.micro_step_seconds if plan else None,
-              "memory_bandwidth": plan.compute.memory_bandwidth if plan else None}
+              "memory_bandwidth": plan.compute.memory_bandwidth if plan else None,
+              "links": [dataclasses.asdict(plan.cluster.intra), dataclasses.asdict(plan.cluster.inter)] if plan else None}
     (out / f"{job_id}.{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{job_id}.pt")
@@ -130,4 +132,7 @@ for label, first, then in (("widen", "GGG", "NNN"), ("rail", "IIG", "NII")):
     run(f"{label}-resumed", PaROStrategy(sharding=then, group_size=GROUP, state_dict_type="full"), epochs=2,
         resume=str(saved))
 run("off", PaROStrategy(sharding="auto", group_size=GROUP, auto=AutoConfig(replan_after_steps=0, **LINKS)), epochs=1)
+# two jobs in a row that probe: the second finds the first's links in the cache (the test's own directory)
+for label in ("probed", "probed-again"):
+    run(label, PaROStrategy(sharding="auto", group_size=GROUP, auto=AutoConfig(replan_after_steps=0)), epochs=1)
 print("done", rank)
