@@ -143,6 +143,7 @@ class Cluster:
         self.config = config
         self._procs: list[subprocess.Popen] = []
         self._old_handlers: dict = {}
+        self._lock = None
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> Cluster:
@@ -151,6 +152,7 @@ class Cluster:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
+            self._hold_prefix()
             self.teardown()  # leftovers of a run that was killed with SIGKILL
             self._create()
         except BaseException:
@@ -161,11 +163,28 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         try:
             self.kill_all()
-            self.teardown()
+            if self._lock is not None:  # only the holder of the prefix may remove its namespaces
+                self.teardown()
         finally:
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)
             self._old_handlers.clear()
+
+    def _hold_prefix(self) -> None:
+        """Wait until no other cluster of this prefix runs, and hold the prefix for this one's life. Namespaces are
+        named by the prefix, so a second cluster's set-up would delete the first one's and cut its ranks off."""
+        import fcntl
+
+        self._lock = open(f"/tmp/{self.config.prefix}-cluster.lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for the other emulated cluster of prefix {self.config.prefix!r} to finish", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
 
     @staticmethod
     def _on_signal(signum, _frame) -> None:
