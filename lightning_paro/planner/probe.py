@@ -186,20 +186,26 @@ def _link_scopes(topology) -> list[tuple[str, int]]:
     return [("intra", topology.group_size), ("inter", topology.num_groups)]
 
 
+def _probe_communicator(topology, chunk_bytes: int | None):
+    """A communicator of the probe's own (its traffic on a meter of its own), running HO-Ring with ``chunk_bytes``
+    chunks (None: the default)."""
+    from lightning_paro.comm.accounting import TrafficMeter
+    from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
+
+    ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
+                                                                              chunk_bytes=chunk_bytes)
+    return Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
+
+
 def pilot_seconds(topology, device=None, chunk_bytes: int | None = None) -> tuple[float, float]:
     """The probe's pilot all-gather timed again on the intra- and inter-group links (0 where unused), after one
     small warm-up gather on each: the cheap check that links measured earlier still hold (collective: call on
     every rank; every rank gets the same figures)."""
     import torch
 
-    from lightning_paro.comm.accounting import TrafficMeter
-    from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
-
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = topology.groups.world
-    ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
-                                                                              chunk_bytes=chunk_bytes)
-    comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
+    comm = _probe_communicator(topology, chunk_bytes)
     figures = []
     try:
         for scope, k in _link_scopes(topology):
@@ -236,16 +242,11 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     import torch
     import torch.distributed as dist
 
-    from lightning_paro.comm.accounting import TrafficMeter
-    from lightning_paro.comm.collectives import HOR_EXACT_SCOPES, Communicator
-
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = topology.groups.world
     scopes = _link_scopes(topology)
     hierarchical = topology.group_size > 1 and topology.num_groups > 1
-    ho_ring = HOR_EXACT_SCOPES if chunk_bytes is None else dataclasses.replace(HOR_EXACT_SCOPES,
-                                                                              chunk_bytes=chunk_bytes)
-    comm = Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
+    comm = _probe_communicator(topology, chunk_bytes)
 
     def timed(run, count: int, warm_up: bool = False) -> float:
         return _timed(run, count, device, world, warm_up)
@@ -321,7 +322,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     if hierarchical:
         global_elems, measured = t[per_scope * len(scopes):]  # after the timings of each scope
         cluster = Cluster(topology.world_size, topology.group_size, links[0], links[1], 1.0,
-                          chunk_bytes=ho_ring.chunk_bytes)
+                          chunk_bytes=comm.ho_ring_config.chunk_bytes)
         predicted = seconds(gather_phases(Level.G, 4 * int(global_elems), cluster), cluster)
         if predicted > 0 and measured > 0:
             factor = min(4.0, max(0.25, measured / predicted))  # clamped: a noisy probe must not dominate the plan
