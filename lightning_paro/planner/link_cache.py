@@ -81,8 +81,8 @@ def links_to_json(links: MeasuredLinks) -> dict[str, Any]:
 
 
 def links_from_json(data: Any) -> Optional[MeasuredLinks]:
-    """The stored figures, or None when ``data`` is not a complete record of this ``FORMAT`` (a file from another
-    version, a partial write by hand): it is then probed again and overwritten."""
+    """The stored figures, or None when ``data`` is not a complete, valid record of this ``FORMAT`` (a file from
+    another version, one edited by hand): the links are then probed again and the file replaced."""
     try:
         if data.get("format") != FORMAT:
             return None
@@ -92,7 +92,8 @@ def links_from_json(data: Any) -> Optional[MeasuredLinks]:
                               pilot_seconds=(float(data["pilot_seconds"][0]), float(data["pilot_seconds"][1])))
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         return None
-    return links if all(p >= 0 for p in links.pilot_seconds) else None
+    sane = links.reduce_scatter_factor > 0 and links.hierarchical_factor > 0 and min(links.pilot_seconds) >= 0
+    return links if sane else None
 
 
 def pilots_agree(stored: tuple[float, float], measured: tuple[float, float],

@@ -113,6 +113,8 @@ def test_link_cache_key_record_and_check():
     assert links_from_json({**record, "format": record["format"] + 1}) is None  # another version's record
     assert links_from_json({k: v for k, v in record.items() if k != "inter"}) is None
     assert links_from_json("not a record") is None
+    assert links_from_json({**record, "intra": {**record["intra"], "bandwidth": -1.0}}) is None  # Link refuses it
+    assert links_from_json({**record, "hierarchical_factor": 0.0}) is None
     # hand-made: 0.09 s stored, 0.1 s now: 1.11x, kept; 0.2 s now: 2.22x, over the 2x tolerance
     agree, ratios = pilots_agree((0.002, 0.09), (0.003, 0.1))
     assert agree and ratios == pytest.approx([1.5, 0.1 / 0.09])
