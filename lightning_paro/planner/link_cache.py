@@ -39,8 +39,8 @@ FORMAT = 1
 
 TOLERANCE = 2.0
 """A stored link is reused while its pilot all-gather takes between 1/TOLERANCE and TOLERANCE times its stored
-time. Looser than the probe's own noise (a 2 ms pilot on processors the ranks share varies up to 4x between
-timings, a 0.1 s one by about 1.3x), tight enough to catch a different fabric or link rate (10x between the
+time. Looser than the pilot's own noise (the least of many timings; one 2 ms timing on processors the ranks share
+varies up to 4x, a 0.1 s one about 1.3x), tight enough to catch a different fabric or link rate (10x between the
 benchmark's 100 Mbit/s and 1 Gbit/s)."""
 
 ENV_DIR = "LIGHTNING_PARO_CACHE_DIR"

@@ -30,7 +30,12 @@ OVERLAP_REPEATS = 3
 tens of percent on a machine whose processors the ranks share)."""
 
 PILOT_REPEATS = 3
-"""Timings of the pilot all-gather per link class; the probe (and a link cache's check) takes their median."""
+"""Fewest timings of the pilot all-gather per link class; the probe (and a link cache's check) takes their minimum."""
+
+PILOT_WINDOW_S = 0.05
+"""Pilot gathers are timed until they fill this long (at most 32): a 2 ms pilot on processors the ranks share varied
+5x between its median of three in one job and in the next; the least of many is what the link does when nothing
+else is in the way."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class MeasuredLinks:
     """A global (HO-Ring) all-gather's time over what the two links predict for it; 1 when not measured (m = 1 or
     g = 1)."""
     pilot_seconds: tuple[float, float] = (0.0, 0.0)
-    """Median time of the ``PILOT_BYTES`` all-gather on the intra- and inter-group links (0 where unused): what a
+    """Least time of the ``PILOT_BYTES`` all-gather on the intra- and inter-group links (0 where unused): what a
     later job compares with before it reuses these figures (``link_cache.py``)."""
 
 
@@ -176,10 +181,17 @@ def _gather_buffers(nbytes: float, ranks: int, device):
 
 
 def _pilot(comm, scope: str, ranks: int, device, world) -> float:
-    """Median over ``PILOT_REPEATS`` of the slowest rank's time for one ``PILOT_BYTES`` all-gather on ``scope``."""
+    """The least, over ``PILOT_REPEATS`` timings or as many as fill ``PILOT_WINDOW_S`` (at most 32), of the slowest
+    rank's time for one ``PILOT_BYTES`` all-gather on ``scope`` (the count from the first timing, the same on every
+    rank)."""
     out, shard = _gather_buffers(PILOT_BYTES, ranks, device)
-    return statistics.median(_slowest(_timed(lambda: comm.all_gather(out, shard, scope), 1, device, world), device,
-                                      world) for _ in range(PILOT_REPEATS))
+
+    def once() -> float:
+        return _slowest(_timed(lambda: comm.all_gather(out, shard, scope), 1, device, world), device, world)
+
+    first = once()
+    count = min(32, max(PILOT_REPEATS, math.ceil(PILOT_WINDOW_S / max(first, 1e-9))))
+    return min([first, *(once() for _ in range(count - 1))])
 
 
 def _link_scopes(topology) -> list[tuple[str, int]]:
@@ -228,7 +240,7 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
     every rank communicates. Per link class: one warm-up gather, then ``repeats`` timed gathers of ``small_bytes``
     and of a large size, the slowest rank's mean counting. The large size is sized to the link: a pilot gather of
-    ``PILOT_BYTES`` (the median of ``PILOT_REPEATS``) gives a first bandwidth, and the large gather is what that
+    ``PILOT_BYTES`` (the least of ``PILOT_REPEATS`` timings or more) gives a first bandwidth, and the large gather is what that
     bandwidth moves in ``target_seconds``, at least ``PILOT_BYTES`` and at most ``large_bytes`` (a slow link is timed
     on a smaller buffer, so the probe's cost stays about the same on every cluster). Intra-group, ``repeats``
     reduce-scatters of the large size give the ``reduce_scatter_factor``. A link's ``overlap`` is the median of
