@@ -97,9 +97,10 @@ def links_from_json(data: Any) -> Optional[MeasuredLinks]:
 
 
 def pilots_agree(stored: tuple[float, float], measured: tuple[float, float],
-                 tolerance: float = TOLERANCE) -> tuple[bool, list[float]]:
-    """Whether every used link's measured pilot is within ``tolerance`` of the stored one (a link class unused in
-    one and used in the other disagrees), with the measured/stored ratio per used link; pure."""
+                 tolerance: float | None = None) -> tuple[bool, list[float]]:
+    """Whether every used link's measured pilot is within ``tolerance`` (None: ``TOLERANCE``) of the stored one (a
+    link class unused in one and used in the other disagrees), with the measured/stored ratio per used link; pure."""
+    tolerance = TOLERANCE if tolerance is None else tolerance
     ratios, agree = [], True
     for old, new in zip(stored, measured):
         if old == 0 and new == 0:

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_paro.comm.collectives import HOR_EXACT_SCOPES
 from lightning_paro.comm.topology import Topology
-from lightning_paro.planner import AutoConfig, plan_for_job, probe_links
+from lightning_paro.planner import AutoConfig, link_cache, plan_for_job, probe_links
 from lightning_paro.planner.link_cache import cache_dir, links_for_job
 from lightning_paro.planner.probe import _matmuls
 
@@ -44,8 +44,12 @@ def main() -> None:
     result = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size,
                           config=AutoConfig(intra=links.intra, inter=links.inter, micro_step_seconds=0.01))
     measured = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
-    # the links the probe just stored (in the test's own cache directory), reused after a pilot check
+    # the links the probe just stored (in the test's own cache directory), reused after a pilot check; the check's
+    # tolerance widened here: a 2 ms intra-group pilot on CPU processes moved up to 2.7x between jobs in the benchmark,
+    # and this test is about the reuse (the check's refusal is tested below, at 10x)
+    tolerance, link_cache.TOLERANCE = link_cache.TOLERANCE, 1e3
     again = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
+    link_cache.TOLERANCE = tolerance
     stored = sorted(cache_dir().glob("links-*.json"))
     dist.barrier()
     if topo.rank == 0:  # a link ten times slower than stored: the check must fail and the probe run again
