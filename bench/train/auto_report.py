@@ -61,14 +61,6 @@ def links_source(run: dict) -> str:
         "links given") else "probe"
 
 
-def median_paid(row: dict | None, warmup: int) -> float | None:
-    """The median over a row's runs of ``auto_tokens_per_s`` (probe, plan and switches paid), or None."""
-    if row is None or "auto" not in row:
-        return None
-    paid = sorted(auto_tokens_per_s({**r, "timed_steps_from": warmup}) for r in row.get("runs", [row]))
-    return paid[len(paid) // 2]
-
-
 def load(name: str) -> tuple[SettingResult, dict] | None:
     path = RESULTS / f"{name}.json"
     if not path.exists():
@@ -108,10 +100,6 @@ def load(name: str) -> tuple[SettingResult, dict] | None:
              "measured_footprint": measured, "predicted_memory": predicted, "activations": activations,
              "plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2) for _, _, r in runs],
              "links_source": [links_source(r) for _, _, r in runs],
-             "cold_tokens_per_s_paid": median_paid(rows.get("paro-cold"), warmup),
-             "cold_plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2)
-                                   for r in rows.get("paro-cold", {}).get("runs", [rows["paro-cold"]])]
-             if "paro-cold" in rows else [],
              "window_seconds": [round(r["seconds"], 1) for _, _, r in runs]}
     return setting, extra
 
@@ -206,9 +194,7 @@ def main() -> None:
     results = [v[0] for v in loaded.values() if v]
     extras = {n: v[1] for n, v in loaded.items() if v}
     pick = lambda s: extras[s.name]["auto_pick"]  # noqa: E731
-    cold = {n: e["cold_tokens_per_s_paid"] for n, e in extras.items() if e["cold_tokens_per_s_paid"]}
     pickers = {"auto": pick, "auto, its probe, plan and switches paid in the window": pick,
-               **({"auto with the link cache off (the whole probe), paid in the window": pick} if cold else {}),
                "always NNG": always("NNG"),
                "always the lowest-memory strategy that fits": lowest_memory_that_fits,
                "the best fitting strategy (oracle)": best_fitting}
@@ -217,15 +203,13 @@ def main() -> None:
         own = None
         if label == "auto":
             own = {n: e["auto_tokens_per_s"] for n, e in extras.items()}
-        elif label.startswith("auto with the link cache off"):
-            own = {n: cold.get(n, 0.0) for n in extras}
         elif label.startswith("auto"):
             own = {n: e["auto_tokens_per_s_paid"] for n, e in extras.items()}
         scores[label] = score(results, picker, own_tokens_per_s=own)
     lines = ["| setting | budget | fitting (measured tokens/s) | best | auto's picks | auto tokens/s (runs) | auto / best |"
              " probe and plan (s; links from) | auto / best, probe paid | steps until within 5%, probe paid |"
-             " cache off: probe and plan (s) | cache off: auto / best, probe paid | always NNG / best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " always NNG / best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in results:
         e = extras[s.name]
         fitting = ", ".join(f"{k} {s.tokens_per_s[k]:.0f}" for k in sorted(s.fits, key=lambda k: -s.tokens_per_s[k]))
@@ -234,16 +218,12 @@ def main() -> None:
         start = sorted(e["plan_seconds"])[len(e["plan_seconds"]) // 2]
         payback = steps_to_pay_back(s.tokens_per_s[s.best], e["auto_tokens_per_s"], e["tokens_per_step"], start)
         e["steps_until_within_5pct"] = payback if payback != float("inf") else None
-        cold_paid = e["cold_tokens_per_s_paid"]
-        cold_ratio = f"{cold_paid / s.tokens_per_s[s.best]:.2f}" if cold_paid else "-"
         lines.append(f"| {s.name} | {budget} | {fitting} | {s.best} | {', '.join(map(str, e['auto_picks']))} |"
                      f" {e['auto_tokens_per_s']:.1f} ({', '.join(map(str, e['auto_runs']))}) |"
                      f" {e['auto_tokens_per_s'] / s.tokens_per_s[s.best]:.2f} |"
                      f" {', '.join(f'{t} ({w})' for t, w in zip(e['plan_seconds'], e['links_source']))} |"
                      f" {e['auto_tokens_per_s_paid'] / s.tokens_per_s[s.best]:.2f} |"
                      f" {math.ceil(payback) if payback != float('inf') else 'never'} |"
-                     f" {', '.join(map(str, e['cold_plan_seconds'])) or '-'} |"
-                     f" {cold_ratio} |"
                      f" {nng} |")
     lines += ["", f"The choice matters in this set: {'yes' if choice_matters(results) else 'no'} ({len(results)}"
               f" settings; best other than NNG in {sum(s.best != 'NNG' for s in results)}:"

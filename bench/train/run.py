@@ -42,8 +42,7 @@ PARO = ["paro_" + s.lower() for s in ("NNN", "NNI", "NNG", "NIG", "NGG", "INI", 
                                       "GGG", "NII", "III")]
 SYSTEMS = ["ddp", "fsdp2", "hsdp", *PARO, "paro"]
 """``paro`` is ``sharding="auto"`` with its defaults (its link cache on: a later run on the same emulated cluster
-reuses the links an earlier one probed, once checked). Also runnable by name: ``paro-cold`` (auto with
-``strategy.link_cache=false``: the whole probe, as on a first job on these hosts) and ``paro@NGG`` (auto started on
+reuses the links an earlier one probed, once checked). Also runnable by name: ``paro@NGG`` (auto started on
 NGG)."""
 
 
@@ -153,12 +152,10 @@ MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64",
 
 def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = ()) -> dict:
     """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes)."""
-    if system.split("@")[0] in ("paro", "paro-cold"):  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
+    if system.split("@")[0] == "paro":  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
         strategy = ["strategy=paro", "strategy.sharding=auto"]
         if "@" in system:
             strategy.append(f"strategy.first_plan={system.split('@')[1]}")
-        if system.startswith("paro-cold"):  # the whole link probe, as a first job on these hosts runs it
-            strategy.append("strategy.link_cache=false")
         if s.memory_budget is not None:
             strategy.append(f"strategy.memory_budget={s.memory_budget:.0f}")
     else:
