@@ -129,8 +129,8 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
     """Plan for a running job (collective: call on every rank after the process groups exist).
 
     Measures what ``config`` leaves open (links: :func:`probe_links`, or the figures an earlier job stored once a
-    pilot gather confirms them, :func:`~lightning_paro.planner.link_cache.links_for_job`; memory: :func:`device_memory_bytes`, the
-    smallest over ranks), describes the model with :func:`workload_from_module` and returns :func:`plan`'s result,
+    pilot gather confirms them, :func:`~lightning_paro.planner.link_cache.links_for_job`; memory:
+    :func:`device_memory_bytes`, the smallest over ranks), describes the model with :func:`workload_from_module` and returns :func:`plan`'s result,
     the same on every rank. ``chunk_bytes`` is the strategy's HO-Ring chunk; None plans with the chunk the cost model
     predicts fastest for these links (:func:`~lightning_paro.planner.cost_model.fastest_chunk_bytes`), which the
     strategy then uses: ``plan.cluster.chunk_bytes``. ``comm``: the dtypes the strategy sends parameters and
