@@ -90,7 +90,7 @@ class ParoStrategyConfig:
     first_plan: Optional[str] = AUTO.first_plan
     """AutoConfig.first_plan: start with this strategy instead of the start-up plan's choice."""
     link_cache: bool = AUTO.link_cache
-    """AutoConfig.link_cache: reuse links an earlier job measured on the same hosts once a pilot gather confirms them."""
+    """AutoConfig.link_cache: reuse links an earlier job measured on the same hosts once re-timed gathers confirm them."""
     strategies: Optional[list] = None
     """AutoConfig.strategies: the strategies to choose among (a list such as [NNG, IIG]); null: all 14."""
     intra_gbps: Optional[float] = None

@@ -12,8 +12,8 @@ defaults from ``strategy.options``); the Lightning strategy calls
 - ``choose.py``: the candidate table and the fastest strategy within the memory budget (:func:`plan`, pure).
 - ``report.py``: the plan as text (:func:`format_plan`) and the links and cluster in one line each.
 - ``probe.py``: the start-up link probe (timed collectives, the alpha-beta fit, overlap with compute).
-- ``link_cache.py``: the probe's figures kept for the next job on the same hosts, reused once a pilot gather confirms
-  them.
+- ``link_cache.py``: the probe's figures (and the update bandwidth) kept for the next job on the same hosts, reused
+  once the probe's large gathers, timed again, confirm them.
 - ``memory.py``: the memory a rank may plan with, agreed on as the smallest over the ranks.
 - ``workload.py``: a running job's module and optimizers as a :class:`Workload`.
 - ``job.py``: :class:`AutoConfig` and :func:`plan_for_job`, what every rank of a job calls at start-up.

@@ -17,8 +17,8 @@ from typing import Iterable
 from lightning_paro.planner.choose import DEFAULT_MEMORY_BUDGET, Plan, plan
 from lightning_paro.planner.cost_model import fastest_chunk_bytes
 from lightning_paro.planner.inputs import Cluster, Compute, Link
-from lightning_paro.planner.link_cache import links_for_job
-from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth
+from lightning_paro.planner.link_cache import links_for_job, store_update
+from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth, update_key
 from lightning_paro.planner.memory import agreed_maximum, agreed_minimum, device_memory_bytes
 from lightning_paro.planner.replan import Decision, decide, replan
 from lightning_paro.planner.report import describe_links, format_bytes
@@ -50,12 +50,14 @@ class AutoConfig:
     activation_bytes_per_token: float = 0.0
     """Activation memory per token per rank, counted against the budget (0: rely on the budget's headroom)."""
     memory_bandwidth: float | None = None
-    """Bytes/s of the optimizer update in the cost model's terms; None: time the job's optimizer class at start-up."""
+    """Bytes/s of the optimizer update in the cost model's terms; None: time the job's optimizer class at start-up
+    (or reuse the figure an earlier job kept with links from the link cache)."""
     probe_bytes: int = 4 * 2**20
     """Buffer size of the bandwidth probe's large all-gathers."""
     link_cache: bool = True
-    """Reuse the links an earlier job measured on the same hosts and groups once a pilot all-gather per link class
-    confirms them (``planner/link_cache.py``); False: run the whole probe every time."""
+    """Reuse the links (and update bandwidth) an earlier job measured on the same hosts and groups once the probe's
+    large all-gather per link class, timed again, confirms them (``planner/link_cache.py``); False: measure every
+    time."""
     reduce_scatter_factor: float | None = None
     """Reduce-scatter time over all-gather time; None: measured by the probe when it runs, else 1."""
     hierarchical_factor: float | None = None
@@ -128,8 +130,9 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
                  chunk_bytes: int | None = None, comm: CommDtypes = EXACT) -> Plan:
     """Plan for a running job (collective: call on every rank after the process groups exist).
 
-    Measures what ``config`` leaves open (links: :func:`probe_links`, or the figures an earlier job stored once a
-    pilot gather confirms them, :func:`~lightning_paro.planner.link_cache.links_for_job`; memory:
+    Measures what ``config`` leaves open (links: :func:`probe_links`, or the figures an earlier job stored once the
+    probe's large gathers timed again confirm them, :func:`~lightning_paro.planner.link_cache.links_for_job`; the
+    update bandwidth: :func:`probe_update_bandwidth`, or the figure kept with those links; memory:
     :func:`device_memory_bytes`, the smallest over ranks), describes the model with :func:`workload_from_module` and returns :func:`plan`'s result,
     the same on every rank. ``chunk_bytes`` is the strategy's HO-Ring chunk; None plans with the chunk the cost model
     predicts fastest for these links (:func:`~lightning_paro.planner.cost_model.fastest_chunk_bytes`), which the
@@ -169,10 +172,17 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
         cluster = dataclasses.replace(cluster, chunk_bytes=fastest_chunk_bytes(workload, cluster))
     bandwidth = config.memory_bandwidth
     if bandwidth is None:
-        probe = probe_update_bandwidth(optimizers[0] if optimizers else None, workload, device)
-        bandwidth = agreed_minimum(probe.bandwidth, topology.groups.world, reduce_on)
-        notes.append(f"{probe.describe()} on this rank; planned with the slowest rank's"
-                     f" {bandwidth / 1e9:.3g} GB/s")
+        key = update_key(optimizers[0] if optimizers else None, workload)
+        bandwidth = found.updates.get(key) if links is not None else None  # rank 0's record: the same on every rank
+        if bandwidth is not None:
+            notes.append(f"update {bandwidth / 1e9:.3g} GB/s ({key}), timed by an earlier job and kept with the links")
+        else:
+            probe = probe_update_bandwidth(optimizers[0] if optimizers else None, workload, device)
+            bandwidth = agreed_minimum(probe.bandwidth, topology.groups.world, reduce_on)
+            notes.append(f"{probe.describe()} on this rank; planned with the slowest rank's"
+                         f" {bandwidth / 1e9:.3g} GB/s")
+            if links is not None:
+                store_update(found, key, bandwidth)
     else:
         notes.append(f"update {bandwidth / 1e9:.3g} GB/s, given")
     compute = Compute(config.micro_step_seconds, config.flops_per_second if config.tokens_per_micro_batch else None,

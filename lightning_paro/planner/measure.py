@@ -71,6 +71,17 @@ def probe_update_bandwidth(optimizer: torch.optim.Optimizer | None, workload: Wo
     raise RuntimeError("The update probe could not step AdamW on a scratch buffer.")  # pragma: no cover
 
 
+def update_key(optimizer: torch.optim.Optimizer | None, workload: Workload) -> str:
+    """What an update bandwidth measured by :func:`probe_update_bandwidth` depends on besides the hosts: the
+    optimizer class, the dtype of its shards and its ``foreach``/``fused`` choices (a link cache keeps the figure
+    under this name)."""
+    dtype = "float64" if workload.param_bytes >= 8 else "float32"
+    if optimizer is None:
+        return f"AdamW {dtype}"
+    defaults = optimizer.defaults
+    return (f"{type(optimizer).__name__} {dtype} foreach={defaults.get('foreach')} fused={defaults.get('fused')}")
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

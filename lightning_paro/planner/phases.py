@@ -47,8 +47,8 @@ from lightning_paro.strategy.transitions import (
     grads_to_optim,
     link_phases,
     optim_to_params,
-    reduce_grads,
     phase_wire_bytes,
+    reduce_grads,
 )
 
 HO_RING_CHUNKS_IN_FLIGHT = 2

@@ -30,7 +30,10 @@ OVERLAP_REPEATS = 3
 tens of percent on a machine whose processors the ranks share)."""
 
 PILOT_REPEATS = 3
-"""Fewest timings of the pilot all-gather per link class; the probe (and a link cache's check) takes their minimum."""
+"""Fewest timings of the pilot all-gather per link class; the probe takes their minimum."""
+
+CHECK_REPEATS = 3
+"""Timings of the large all-gather per link class in the probe and in a link cache's check (the least counts)."""
 
 PILOT_WINDOW_S = 0.05
 """Pilot gathers are timed until they fill this long (at most 32): a 2 ms pilot on processors the ranks share varied
@@ -52,9 +55,11 @@ class MeasuredLinks:
     hierarchical_factor: float = 1.0
     """A global (HO-Ring) all-gather's time over what the two links predict for it; 1 when not measured (m = 1 or
     g = 1)."""
-    pilot_seconds: tuple[float, float] = (0.0, 0.0)
-    """Least time of the ``PILOT_BYTES`` all-gather on the intra- and inter-group links (0 where unused): what a
-    later job compares with before it reuses these figures (``link_cache.py``)."""
+    check_bytes: tuple[int, int] = (0, 0)
+    """Buffer size of the probe's large all-gather on the intra- and inter-group links (0 where unused)."""
+    check_seconds: tuple[float, float] = (0.0, 0.0)
+    """Least of ``CHECK_REPEATS`` timings of that all-gather (each rank's least, the slowest rank's counting; 0 where
+    unused): what a later job times again before it reuses these figures (``link_cache.py``)."""
 
 
 def overlap_from_times(compute: float, comm: float, both: float) -> float:
@@ -209,27 +214,35 @@ def _probe_communicator(topology, chunk_bytes: int | None):
     return Communicator(topology, TrafficMeter(), ho_ring_config=ho_ring)
 
 
-def pilot_seconds(topology, device=None, chunk_bytes: int | None = None) -> tuple[float, float]:
-    """The probe's pilot all-gather timed again on the intra- and inter-group links (0 where unused), after one
-    small warm-up gather on each: the cheap check that links measured earlier still hold (collective: call on
-    every rank; every rank gets the same figures)."""
+def check_seconds(topology, check_bytes: tuple[int, int], device=None, chunk_bytes: int | None = None,
+                  repeats: int = CHECK_REPEATS) -> tuple[float, float]:
+    """The probe's large all-gathers (``check_bytes`` per link class, 0: unused) timed again the way the probe timed
+    them, after one small warm-up gather on each: the check that links measured earlier still hold (collective: call
+    on every rank; every rank gets the same figures). A 10-100 ms gather is timed, not the 1-3 ms pilot: on processors
+    the ranks share, the pilot's least time moved up to 2.7x from one job to the next over the same links."""
     import torch
+    import torch.distributed as dist
 
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = topology.groups.world
     comm = _probe_communicator(topology, chunk_bytes)
     figures = []
     try:
-        for scope, k in _link_scopes(topology):
-            if k == 1:
+        for (scope, k), nbytes in zip(_link_scopes(topology), check_bytes):
+            if k == 1 or nbytes <= 0:
                 figures.append(0.0)
                 continue
             out, shard = _gather_buffers(4 * 2**10, k, device)
             comm.all_gather(out, shard, scope)  # connections
-            figures.append(_pilot(comm, scope, k, device, world))
+            out, shard = _gather_buffers(nbytes, k, device)
+            figures.append(min(_timed(lambda: comm.all_gather(out, shard, scope), 1, device, world)
+                               for _ in range(repeats)))
     finally:
         comm.close()
-    return figures[0], figures[1]
+    reduced = torch.tensor(figures, dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=world)
+    intra, inter = reduced.tolist()
+    return intra, inter
 
 
 def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes: int = 4 * 2**10,
@@ -239,7 +252,8 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
 
     All groups (and all rails) gather at the same time, as in training, so the figures are what one rank gets while
     every rank communicates. Per link class: one warm-up gather, then ``repeats`` timed gathers of ``small_bytes``
-    and of a large size, the slowest rank's mean counting. The large size is sized to the link: a pilot gather of
+    and of a large size, the slowest rank's mean counting (each large gather timed alone, every rank starting it at
+    once; the least of the first ``CHECK_REPEATS`` is kept as ``check_seconds``). The large size is sized to the link: a pilot gather of
     ``PILOT_BYTES`` (the least of ``PILOT_REPEATS`` timings or more) gives a first bandwidth, and the large gather is what that
     bandwidth moves in ``target_seconds``, at least ``PILOT_BYTES`` and at most ``large_bytes`` (a slow link is timed
     on a smaller buffer, so the probe's cost stays about the same on every cluster). Intra-group, ``repeats``
@@ -280,8 +294,9 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         _synchronize(device)
         return time.perf_counter() - start
 
-    per_scope = 7 + OVERLAP_REPEATS
-    times = []  # per scope: large size, pilot, small all-gather, large all-gather, large reduce-scatter (intra only),
+    per_scope = 8 + OVERLAP_REPEATS
+    times = []  # per scope: large size, pilot, small all-gather, large all-gather (mean, then least), large
+    #             reduce-scatter (intra only),
     #             the overlap's gathers alone and compute alone (per gather), then the two together, repeated
     large_sizes = {}
     try:
@@ -297,10 +312,11 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
                                         large_bytes)
             large_sizes[scope] = nbytes
             out, shard = _gather_buffers(nbytes, k, device)
-            large = timed(lambda: comm.all_gather(out, shard, scope), repeats)
+            each = [timed(lambda: comm.all_gather(out, shard, scope), 1) for _ in range(max(repeats, CHECK_REPEATS))]
+            large, least = statistics.fmean(each), min(each[:CHECK_REPEATS])
             # the factor is the intra-group backend's; rail reduce-scatters are HO-Ring's, at the ideal volume
             reduce = timed(lambda: comm.reduce_scatter(shard, out, scope), repeats) if scope == "intra" else 0.0
-            times += [float(nbytes), pilot, small, large, reduce]
+            times += [float(nbytes), pilot, small, large, least, reduce]
             # overlap: enough large gathers (the same number on every rank) to fill OVERLAP_WINDOW_S
             slowest_gather = slowest(large)
             count = min(64, math.ceil(OVERLAP_WINDOW_S / max(slowest_gather, 1e-9)))
@@ -317,17 +333,17 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
     reduced = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=world)
     t = reduced.tolist()
-    links, factors, pilots = [], [], []
+    links, factors, checks = [], [], []
     for i, (scope, k) in enumerate(scopes):
         if k == 1:
             links.append(UNUSED_LINK)
-            pilots.append(0.0)
+            checks.append((0, 0.0))
             continue
-        nbytes, pilot, small, large, reduce, gathers, compute, *together = t[per_scope * i:per_scope * (i + 1)]
+        nbytes, pilot, small, large, least, reduce, gathers, compute, *together = t[per_scope * i:per_scope * (i + 1)]
         elems_small, elems_large = _elements(small_bytes, k), _elements(nbytes, k)
         overlap = statistics.median(overlap_from_times(compute, gathers, both) for both in together)
         links.append(dataclasses.replace(fit_link(k, 4 * elems_small, small, 4 * elems_large, large), overlap=overlap))
-        pilots.append(pilot)
+        checks.append((int(nbytes), least))
         if scope == "intra":
             factors.append(reduce / large if large > 0 else 1.0)
     factor = 1.0
@@ -339,7 +355,8 @@ def probe_links(topology, device=None, large_bytes: int = 4 * 2**20, small_bytes
         if predicted > 0 and measured > 0:
             factor = min(4.0, max(0.25, measured / predicted))  # clamped: a noisy probe must not dominate the plan
     return MeasuredLinks(intra=links[0], inter=links[1], reduce_scatter_factor=max(factors, default=1.0),
-                         hierarchical_factor=factor, pilot_seconds=(pilots[0], pilots[1]))
+                         hierarchical_factor=factor, check_bytes=(checks[0][0], checks[1][0]),
+                         check_seconds=(checks[0][1], checks[1][1]))
 
 
 def _synchronize(device) -> None:

@@ -1,6 +1,7 @@
 """sharding="auto": the plan's table and choice, the link fit, memory reading, the model description, the plan
 command, and the start-up probe on 4 gloo processes (2 groups of 2)."""
 
+import dataclasses
 import json
 import math
 
@@ -29,14 +30,19 @@ from lightning_paro.planner import (
     workload_from_module,
 )
 from lightning_paro.planner.link_cache import (
+    CachedLinks,
     cache_dir,
     cache_key,
+    checks_agree,
     links_from_json,
     links_to_json,
-    pilots_agree,
     read_cached,
+    read_record,
+    store_update,
+    updates_from_json,
     write_cached,
 )
+from lightning_paro.planner.measure import update_key
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 
 W = Workload(1e9, 1e9, accumulation=4, num_units=16, root_fraction=0.05, tokens_per_micro_batch=1024,
@@ -107,7 +113,7 @@ def test_link_cache_key_record_and_check():
                 cache_key(["a", "a", "b", "b"], 4, "gloo", "cpu", 2**20, 4 * 2**20),
                 cache_key(["a", "a", "b", "b"], 2, "nccl", "cuda", 2**20, 4 * 2**20),
                 cache_key(["a", "a", "b", "b"], 2, "gloo", "cpu", 2**19, 4 * 2**20)}) == 5
-    links = MeasuredLinks(Link(2e9, 1e-5, 0.5), Link(1e8, 2e-4, 1.0), 1.3, 0.9, (0.002, 0.09))
+    links = MeasuredLinks(Link(2e9, 1e-5, 0.5), Link(1e8, 2e-4, 1.0), 1.3, 0.9, (4 * 2**20, 1_250_000), (0.02, 0.09))
     assert links_from_json(json.loads(json.dumps(links_to_json(links)))) == links
     record = links_to_json(links)
     assert links_from_json({**record, "format": record["format"] + 1}) is None  # another version's record
@@ -115,13 +121,15 @@ def test_link_cache_key_record_and_check():
     assert links_from_json("not a record") is None
     assert links_from_json({**record, "intra": {**record["intra"], "bandwidth": -1.0}}) is None  # Link refuses it
     assert links_from_json({**record, "hierarchical_factor": 0.0}) is None
+    assert links_from_json({**record, "check_bytes": [-1, 1_250_000]}) is None
+    assert links_from_json({k: v for k, v in record.items() if k != "check_seconds"}) is None
     # hand-made: 0.09 s stored, 0.1 s now: 1.11x, kept; 0.2 s now: 2.22x, over the 2x tolerance
-    agree, ratios = pilots_agree((0.002, 0.09), (0.003, 0.1))
+    agree, ratios = checks_agree((0.02, 0.09), (0.03, 0.1))
     assert agree and ratios == pytest.approx([1.5, 0.1 / 0.09])
-    assert not pilots_agree((0.002, 0.09), (0.002, 0.2))[0]
-    assert not pilots_agree((0.002, 0.09), (0.002, 0.04))[0]  # faster by more than 2x: also another fabric
-    assert pilots_agree((0.002, 0.0), (0.002, 0.0)) == (True, [1.0])  # one group: no inter-group link
-    assert not pilots_agree((0.002, 0.0), (0.002, 0.1))[0]
+    assert not checks_agree((0.02, 0.09), (0.02, 0.2))[0]
+    assert not checks_agree((0.02, 0.09), (0.02, 0.04))[0]  # faster by more than 2x: also another fabric
+    assert checks_agree((0.02, 0.0), (0.02, 0.0)) == (True, [1.0])  # one group: no inter-group link
+    assert not checks_agree((0.02, 0.0), (0.02, 0.1))[0]
 
 
 def test_link_cache_directory_follows_the_environment(monkeypatch, tmp_path):
@@ -131,11 +139,40 @@ def test_link_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "lightning_paro"
     path = tmp_path / "xdg" / "lightning_paro" / "links-x.json"
-    links = MeasuredLinks(Link(2e9), Link(1e8), pilot_seconds=(0.002, 0.09))
+    links = MeasuredLinks(Link(2e9), Link(1e8), check_bytes=(4 * 2**20, 1_250_000), check_seconds=(0.02, 0.09))
     write_cached(path, links)  # creates the directory; no temporary file left
     assert read_cached(path) == links and [p.name for p in path.parent.iterdir()] == ["links-x.json"]
     path.write_text("{half a rec")
     assert read_cached(path) is None
+
+
+def test_link_cache_keeps_update_bandwidths_with_the_links(monkeypatch, tmp_path):
+    links = MeasuredLinks(Link(2e9), Link(1e8), check_bytes=(4 * 2**20, 1_250_000), check_seconds=(0.02, 0.09))
+    path = tmp_path / "links-x.json"
+    write_cached(path, links)
+    assert read_record(path) == (links, {})
+    # a figure measured now is added to the record the links came from (rank 0 writes; one process: rank 0)
+    monkeypatch.setattr("torch.distributed.get_rank", lambda group=None: 0)
+    found = CachedLinks(links, "cache", "note", {}, path)
+    store_update(found, "AdamW float32 foreach=None fused=None", 3.5e9)
+    store_update(found, "SGD float32 foreach=None fused=None", 9e9)
+    assert read_record(path) == (links, {"AdamW float32 foreach=None fused=None": 3.5e9,
+                                         "SGD float32 foreach=None fused=None": 9e9})
+    # links probed again replace the record, and the update figures of the old links with it
+    write_cached(path, links)
+    assert read_record(path)[1] == {}
+    # the cache off (no record): nothing written
+    store_update(CachedLinks(links, "probe", "note"), "AdamW float32 foreach=None fused=None", 1.0)
+    # figures that are not positive numbers are not used
+    assert updates_from_json({"updates": {"a": 2e9, "b": -1, "c": 0}}) == {"a": 2e9}
+    assert updates_from_json({"updates": {"a": "fast"}}) == {} and updates_from_json("no record") == {}
+    # the figure's name: optimizer class, the shards' dtype, foreach and fused
+    w32 = Workload(1e6, 1e6, param_bytes=4, grad_bytes=4, optim_bytes=8)
+    w64 = dataclasses.replace(w32, param_bytes=8)
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=False)
+    assert update_key(adam, w32) == "AdamW float32 foreach=False fused=None"
+    assert update_key(adam, w64) == "AdamW float64 foreach=False fused=None"
+    assert update_key(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1), w32).startswith("SGD float32")
 
 
 def test_fit_link_recovers_alpha_and_beta():
@@ -315,15 +352,21 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
     notes = "\n".join(first["measured_notes"])
     assert "compute per micro-step not known yet: none assumed" in notes and "links measured" in notes
     assert "AdamW stepped over" in notes  # the update bandwidth timed on the job's optimizer class
-    # link cache: the first plan probed and stored (no stored links yet), the second reused those figures after a
-    # pilot check, on every rank alike
+    # link cache: the first plan probed and stored (no stored links yet), the second reused those figures after
+    # timing the large gathers again, on every rank alike
     assert "no stored links for these hosts and groups; stored for the next job" in notes
     assert first["stored_files"] == 1
     for r in results:
         for field in ("intra", "inter", "reduce_scatter_factor", "hierarchical_factor", "chunk_bytes"):
             assert r["again_cluster"][field] == first["measured_cluster"][field], field
-        assert r["again_notes"][0].startswith("links from the link cache, checked: pilot all-gathers at")
-    # a stored pilot ten times what the links now take fails the check: probed again, and the record replaced
+        assert r["again_notes"][0].startswith("links from the link cache, checked: large all-gathers at")
+        # the update bandwidth the first job timed was kept with the links and planned with again
+        assert r["again_update"] == first["measured_update"] > 0
+        assert any("timed by an earlier job and kept with the links" in n for n in r["again_notes"])
+    # a stored time ten times what the links now take fails the check: probed again, and the record replaced
     assert first["stale"][0] == "probe" and "failed the check" in first["stale"][1]
-    assert all(0 < p < q for p, q in zip(first["rewritten_pilots"], first["tampered_pilots"]))
+    assert all(0 < p < q for p, q in zip(first["rewritten_checks"], first["tampered_checks"]))
+    # the check times the probe's large gathers (4 ranks, 2 groups of 2: both links used), at least the pilot's size
+    assert all(b >= 2**20 for b in first["links"]["check_bytes"])
+    assert all(s > 0 for s in first["links"]["check_seconds"])
     assert first["off"] == ["probe", "links measured by the start-up probe"]

@@ -200,10 +200,10 @@ def test_the_plan_keeps_every_figure_it_measured(replan_runs):
 @pytest.mark.timeout(480)
 def test_a_second_job_plans_with_the_links_the_first_probed(replan_runs):
     """Two fits under sharding="auto" with nothing given, one after the other: the first probes and stores its links,
-    the second checks them with pilot gathers and plans with the same figures, on every rank."""
+    the second checks them by timing the large gathers again and plans with the same figures, on every rank."""
     result, _, _ = replan_runs
     for r in range(4):
         first, second = result("probed", r), result("probed-again", r)
         assert first["notes"][0].startswith("links measured by the start-up probe (no stored links")
-        assert second["notes"][0].startswith("links from the link cache, checked: pilot all-gathers at")
+        assert second["notes"][0].startswith("links from the link cache, checked: large all-gathers at")
         assert second["links"] == first["links"] == result("probed", 0)["links"]

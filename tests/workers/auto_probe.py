@@ -1,5 +1,5 @@
 """One rank of the start-up planning test: probe the links, read the memory, plan for a small model; plan again
-from the link cache, then with a stored link that fails the pilot check, then with the cache off.
+from the link cache, then with a stored link that fails the cache's check, then with the cache off.
 
 Usage: auto_probe.py OUT_DIR GROUP_SIZE. Writes OUT_DIR/<rank>.json.
 """
@@ -44,9 +44,9 @@ def main() -> None:
     result = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size,
                           config=AutoConfig(intra=links.intra, inter=links.inter, micro_step_seconds=0.01))
     measured = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
-    # the links the probe just stored (in the test's own cache directory), reused after a pilot check; the check's
-    # tolerance widened here: a 2 ms intra-group pilot on CPU processes moved up to 2.7x between jobs in the benchmark,
-    # and this test is about the reuse (the check's refusal is tested below, at 10x)
+    # the links the probe just stored (in the test's own cache directory), reused after the check; its tolerance
+    # widened here: this test is about the reuse, and timings on CPU processes under a loaded test machine move more
+    # than the links do (the check's refusal is tested below, at 10x)
     tolerance, link_cache.TOLERANCE = link_cache.TOLERANCE, 1e3
     again = plan_for_job(model, [opt], topo, "cpu", accumulation=4, ranks_on_host=topo.world_size)
     link_cache.TOLERANCE = tolerance
@@ -54,12 +54,12 @@ def main() -> None:
     dist.barrier()
     if topo.rank == 0:  # a link ten times slower than stored: the check must fail and the probe run again
         record = json.loads(stored[0].read_text())
-        record["pilot_seconds"] = tampered = [10 * p for p in record["pilot_seconds"]]
+        record["check_seconds"] = tampered = [10 * p for p in record["check_seconds"]]
         stored[0].write_text(json.dumps(record))
     dist.barrier()
     stale = links_for_job(topo, torch.device("cpu"), AutoConfig().probe_bytes, HOR_EXACT_SCOPES.chunk_bytes)
     dist.barrier()
-    rewritten = json.loads(stored[0].read_text())["pilot_seconds"] if topo.rank == 0 else None
+    rewritten = json.loads(stored[0].read_text())["check_seconds"] if topo.rank == 0 else None
     tampered = tampered if topo.rank == 0 else None
     off = links_for_job(topo, torch.device("cpu"), AutoConfig().probe_bytes, HOR_EXACT_SCOPES.chunk_bytes,
                         use_cache=False)
@@ -73,8 +73,9 @@ def main() -> None:
         "candidates": [c.strategy for c in result.candidates],
         "measured_choice": measured.choice, "measured_reason": measured.reason, "measured_notes": list(measured.notes),
         "measured_cluster": dataclasses.asdict(measured.cluster), "again_cluster": dataclasses.asdict(again.cluster),
-        "again_notes": list(again.notes), "stored_files": len(stored), "stale": [stale.source, stale.note],
-        "rewritten_pilots": rewritten, "tampered_pilots": tampered, "off": [off.source, off.note],
+        "again_notes": list(again.notes),
+        "measured_update": measured.compute.memory_bandwidth, "again_update": again.compute.memory_bandwidth, "stored_files": len(stored), "stale": [stale.source, stale.note],
+        "rewritten_checks": rewritten, "tampered_checks": tampered, "off": [off.source, off.note],
     }))
     dist.destroy_process_group()
 
