@@ -235,8 +235,10 @@ def check_seconds(topology, check_bytes: tuple[int, int], device=None, chunk_byt
             out, shard = _gather_buffers(4 * 2**10, k, device)
             comm.all_gather(out, shard, scope)  # connections
             out, shard = _gather_buffers(nbytes, k, device)
-            figures.append(min(_timed(lambda: comm.all_gather(out, shard, scope), 1, device, world)
-                               for _ in range(repeats)))
+            # one untimed gather of the size first: a job's first large gathers ran 1.2-2x slower than its later ones
+            # (8 CPU processes on 2 cores), and the probe's come after its small and pilot gathers
+            figures.append(min(_timed(lambda: comm.all_gather(out, shard, scope), 1, device, world, warm_up=i == 0)
+                               for i in range(repeats)))
     finally:
         comm.close()
     reduced = torch.tensor(figures, dtype=torch.float64, device=device)

@@ -363,6 +363,10 @@ def test_probe_and_plan_on_four_gloo_processes(tmp_path):
         # the update bandwidth the first job timed was kept with the links and planned with again
         assert r["again_update"] == first["measured_update"] > 0
         assert any("timed by an earlier job and kept with the links" in n for n in r["again_notes"])
+    # a first timing of the check far off and a second as stored: reused after the second, the note says so
+    for r in results:
+        source, note, checks = r["second_chance"]
+        assert source == "cache" and checks == 2 and "of the stored times (within 5x, timed twice)" in note, note
     # a stored time ten times what the links now take fails the check: probed again, and the record replaced
     assert first["stale"][0] == "probe" and "failed the check" in first["stale"][1]
     assert all(0 < p < q for p, q in zip(first["rewritten_checks"], first["tampered_checks"]))
