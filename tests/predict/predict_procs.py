@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +16,19 @@ from lightning_paro.predict import read_predictions
 from predict_app import JobSpec, worker_main
 
 _FORK = multiprocessing.get_context("fork")
+_STACKS = Path(tempfile.gettempdir())
+
+
+def _stacks_file(pid: int) -> Path:
+    return _STACKS / f"lightning-paro-test-worker-{pid}.stacks"
+
+
+def _traced_worker(spec: JobSpec) -> None:
+    """The worker, with every thread's stack written to a file on SIGUSR1 (read by :meth:`Workers.wait_all` when a
+    worker hangs)."""
+    with open(_stacks_file(os.getpid()), "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        worker_main(spec)
 
 
 class Workers:
@@ -23,7 +38,7 @@ class Workers:
         self.procs: list = []
 
     def start(self, spec: JobSpec):
-        proc = _FORK.Process(target=worker_main, args=(spec,), daemon=False)
+        proc = _FORK.Process(target=_traced_worker, args=(spec,), daemon=False)
         proc.start()
         self.procs.append(proc)
         return proc
@@ -41,7 +56,12 @@ class Workers:
         for proc in self.procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
         still = self.alive()
-        assert not still, f"workers still running after {timeout_s} s: {[p.pid for p in still]}"
+        if still:  # a hang: say where each worker's threads are
+            for proc in still:
+                os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            stacks = "\n".join(f"--- worker {p.pid}:\n{_read_stacks(p.pid)}" for p in still)
+            raise AssertionError(f"workers still running after {timeout_s} s: {[p.pid for p in still]}\n{stacks}")
         return [p.exitcode for p in self.procs]
 
     def cleanup(self) -> None:
@@ -49,6 +69,14 @@ class Workers:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGKILL)
             proc.join(timeout=30)
+            _stacks_file(proc.pid).unlink(missing_ok=True)
+
+
+def _read_stacks(pid: int) -> str:
+    try:
+        return _stacks_file(pid).read_text()[-6000:]
+    except OSError as exc:
+        return f"(no stacks: {exc})"
 
 
 def assert_exact_output(output_dir: Path, rows: int, skip: set = frozenset()) -> pa.Table:
