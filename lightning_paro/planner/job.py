@@ -172,12 +172,13 @@ def plan_for_job(module, optimizers: Iterable, topology, device, accumulation: i
         cluster = dataclasses.replace(cluster, chunk_bytes=fastest_chunk_bytes(workload, cluster))
     bandwidth = config.memory_bandwidth
     if bandwidth is None:
-        key = update_key(optimizers[0] if optimizers else None, workload)
+        optimizer = optimizers[0] if optimizers else None
+        key = update_key(optimizer, workload)
         bandwidth = found.updates.get(key) if links is not None else None  # rank 0's record: the same on every rank
         if bandwidth is not None:
             notes.append(f"update {bandwidth / 1e9:.3g} GB/s ({key}), timed by an earlier job and kept with the links")
         else:
-            probe = probe_update_bandwidth(optimizers[0] if optimizers else None, workload, device)
+            probe = probe_update_bandwidth(optimizer, workload, device)
             bandwidth = agreed_minimum(probe.bandwidth, topology.groups.world, reduce_on)
             notes.append(f"{probe.describe()} on this rank; planned with the slowest rank's"
                          f" {bandwidth / 1e9:.3g} GB/s")

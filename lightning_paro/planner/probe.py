@@ -217,8 +217,9 @@ def _probe_communicator(topology, chunk_bytes: int | None):
 def check_seconds(topology, check_bytes: tuple[int, int], device=None, chunk_bytes: int | None = None,
                   repeats: int = CHECK_REPEATS) -> tuple[float, float]:
     """The probe's large all-gathers (``check_bytes`` per link class, 0: unused) timed again the way the probe timed
-    them, after one small warm-up gather on each: the check that links measured earlier still hold (collective: call
-    on every rank; every rank gets the same figures). A 10-100 ms gather is timed, not the 1-3 ms pilot: on processors
+    them (each rank's least of ``repeats``, the slowest rank's counting), after a small gather for the connections and
+    one untimed gather of the size on each: the check that links measured earlier still hold (collective: call on
+    every rank; every rank gets the same figures). A 10-100 ms gather is timed, not the 1-3 ms pilot: on processors
     the ranks share, the pilot's least time moved up to 2.7x from one job to the next over the same links."""
     import torch
     import torch.distributed as dist
