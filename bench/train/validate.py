@@ -240,7 +240,10 @@ def markdown(results: list[dict]) -> str:
 
 def main() -> None:
     torch.manual_seed(0)
-    settings = {p.stem: d for p in sorted(RESULTS.glob("*.json")) if "rows" in (d := json.loads(p.read_text()))}
+    # the sweep's settings, each file named after its setting (memory.py's and comm.py's results beside them have
+    # rows too)
+    settings = {p.stem: d for p in sorted(RESULTS.glob("*.json"))
+                if "rows" in (d := json.loads(p.read_text())) and d.get("setting") == p.stem}
     sizes = sorted({d["nodes"] * d["ranks_per_node"] for d in settings.values()})
     bandwidths = {n: concurrent_update_bandwidth(n) for n in sizes}
     results = []

@@ -68,9 +68,10 @@ class Cluster:
     """HO-Ring pipeline chunk (the strategy's ``chunk_bytes``); ``math.inf`` runs a global collective's phases one
     after the other."""
     hierarchical_factor: float = 1.0
-    """Time of an HO-Ring phase over the backend's collective moving the same bytes on the same link: 1 where both
-    use the link alike (NCCL); below 1 where HO-Ring's point-to-point sends, one group per direction and two chunks
-    in flight, use it better (gloo over TCP). The start-up probe measures it."""
+    """Time of a point-to-point (HO-Ring) phase, global or rail, over what the links predict for it: 1 where the
+    links' figures hold for HO-Ring's sends (NCCL); below 1 where those sends, one group per direction and two chunks
+    in flight, use a link better than the backend's collective does (gloo over TCP). The start-up probe measures it
+    on a global all-gather larger than the links' own timings."""
 
     def __post_init__(self) -> None:
         if not self.reduce_scatter_factor > 0:

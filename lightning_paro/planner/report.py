@@ -69,5 +69,5 @@ def describe_cluster(cluster: Cluster) -> str:
     """One line for the log: ranks, links, the reduce-scatter factor, the HO-Ring factor and chunk."""
     return (f"n={cluster.world_size} ranks in groups of m={cluster.group_size}; "
             f"{describe_links(cluster.intra, cluster.inter)}; reduce-scatter {cluster.reduce_scatter_factor:.2f}x"
-            f" an all-gather; HO-Ring phases {cluster.hierarchical_factor:.2f}x the backend's time, chunks of"
+            f" an all-gather; HO-Ring phases {cluster.hierarchical_factor:.2f}x the links' time, chunks of"
             f" {cluster.chunk_bytes / 2**20:.4g} MiB")

@@ -413,13 +413,19 @@ def test_global_collectives_pipeline_their_phases_chunk_by_chunk():
     assert not only.hierarchical and seconds((only,), one_group) == pytest.approx(2 * (1e-5 + 0.004))
 
 
-def test_hierarchical_factor_scales_ho_ring_transfers_only():
+def test_hierarchical_factor_scales_point_to_point_transfers_only():
     base = dict(world_size=4, group_size=2, intra=Link(1e9, 1e-5), inter=Link(1e8, 1e-4), device_memory=1e9,
                 chunk_bytes=1e6)
     c, fast = Cluster(**base), Cluster(**base, hierarchical_factor=0.5)
     assert seconds(gather_phases(Level.G, 8e6, fast), fast) == pytest.approx(1e-4 + 0.01 + (1e-5 + 0.002) / 8)
     # the backend's own collectives (level I) are untouched
     assert seconds(gather_phases(Level.I, 8e6, fast), fast) == seconds(gather_phases(Level.I, 8e6, c), c)
+    # a rail collective is HO-Ring's too. NNI's gradient sync of 8 MB, by hand: the backend's intra reduce-scatter,
+    # 1e-5 + 4e6 / 1e9 = 0.00401 s, untouched; the rail all-reduce of the 4 MB block, two exchanges of 2 MB each way,
+    # 2 x 1e-4 of latency + 4e6 / 1e8 = 0.04 s of transfer, halved: 0.0202 s (0.0402 s at a factor of 1)
+    nni = ShardingSpec.parse("NNI")
+    assert seconds(grad_sync_phases(nni, 8e6, fast), fast) == pytest.approx(0.00401 + 0.0202)
+    assert seconds(grad_sync_phases(nni, 8e6, c), c) == pytest.approx(0.00401 + 0.0402)
     with pytest.raises(ValueError, match="hierarchical_factor"):
         Cluster(**base, hierarchical_factor=0)
 
