@@ -49,8 +49,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from lightning_paro.planner.inputs import Cluster, Compute, Workload
 from lightning_paro.planner.phases import (
     gather_phases,
@@ -309,8 +307,7 @@ def rounds_param_sync(spec: ShardingSpec, workload: Workload) -> bool:
     in, or quantized; not counted again when ``optim_bytes`` holds a master already (16-bit parameters)."""
     if workload.param_bytes < 4:
         return False
-    stored = torch.float64 if workload.param_bytes >= 8 else torch.float32
-    return param_sync_rounds(spec, workload.comm, stored)
+    return param_sync_rounds(spec, workload.comm, workload.master_dtype)
 
 
 def traffic(spec: ShardingSpec, workload: Workload, cluster: Cluster) -> Traffic:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from lightning_paro.strategy.transitions import EXACT, CommDtypes
 
 GBIT = 1e9 / 8
@@ -126,6 +128,12 @@ class Workload:
     comm: CommDtypes = EXACT
     """The dtypes parameters and gradients travel in (``PaROStrategy(param_dtype=..., reduce_dtype=...)``); the
     default sends each in its own (``param_bytes``, ``grad_bytes``)."""
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype the engine keeps the optimizer's shards (the master weights) in: fp64 for fp64 parameters, fp32
+        for any narrower ones."""
+        return torch.float64 if self.param_bytes >= 8 else torch.float32
 
     def __post_init__(self) -> None:
         if self.backward_units is not None and not 0 <= self.backward_units <= self.num_units:

@@ -47,7 +47,7 @@ def probe_update_bandwidth(optimizer: torch.optim.Optimizer | None, workload: Wo
     or stepped that way (one that needs a closure, or options of its own) is replaced by AdamW, named in the result.
     Not collective: call it on every rank at once, so the ranks of one machine share its memory bandwidth as they do
     in training."""
-    dtype = _shard_dtype(workload)
+    dtype = workload.master_dtype
     scratch = torch.zeros(elements, dtype=dtype, device=device, requires_grad=True)
     scratch.grad = torch.full_like(scratch, 1e-3)
     candidates = [] if optimizer is None else [(type(optimizer), dict(optimizer.defaults))]
@@ -75,16 +75,11 @@ def update_key(optimizer: torch.optim.Optimizer | None, workload: Workload) -> s
     """What an update bandwidth measured by :func:`probe_update_bandwidth` depends on besides the hosts: the
     optimizer class, the dtype of its shards and its ``foreach``/``fused`` choices (a link cache keeps the figure
     under this name)."""
-    dtype = str(_shard_dtype(workload)).removeprefix("torch.")
+    dtype = str(workload.master_dtype).removeprefix("torch.")
     if optimizer is None:
         return f"AdamW {dtype}"
     defaults = optimizer.defaults
     return (f"{type(optimizer).__name__} {dtype} foreach={defaults.get('foreach')} fused={defaults.get('fused')}")
-
-
-def _shard_dtype(workload: Workload) -> torch.dtype:
-    """The dtype the engine keeps optimizer shards in for this workload (fp64 parameters stay fp64, else fp32)."""
-    return torch.float64 if workload.param_bytes >= 8 else torch.float32
 
 
 def _synchronize(device: torch.device) -> None:
