@@ -171,8 +171,10 @@ def run_set(fits: dict[str, frozenset]) -> tuple[list[str], dict]:
                      "auto_picks": picks, "plan_seconds": [round(r["auto"].get("plan_seconds", 0.0), 2) for r in runs],
                      "links_source": sources, "auto_over_best_paid": [round(p, 3) for p in paid],
                      "median": round(median, 3), "first_run_whole_probe": round(cold[0], 3) if cold else None}
+        paths = [" > ".join([s[0]["from"], *(w["to"] for w in s)]) if s else str(p)
+                 for p, s in zip(picks, (r["auto"].get("switches", []) for r in runs))]
         lines.append(f"| {name} | {setting.timed_steps} | {', '.join(f'{k} {v:.0f}' for k, v in fixed.items())} |"
-                     f" {', '.join(map(str, picks))} |"
+                     f" {', '.join(paths)} |"
                      f" {', '.join(f'{t} ({w})' for t, w in zip(out[name]['plan_seconds'], sources))} |"
                      f" {', '.join(f'{p:.2f}' for p in paid)} | {median:.2f} |"
                      f" {f'{cold[0]:.2f}' if cold else '-'} |")

@@ -87,6 +87,8 @@ class ParoStrategyConfig:
     """AutoConfig.replan_after_steps: plan again with measured figures after this many optimizer steps (0: never)."""
     replan_margin: float = AUTO.replan_margin
     """AutoConfig.replan_margin: the predicted gain a switch needs (0.1: 10%)."""
+    trial_margin: float = AUTO.trial_margin
+    """AutoConfig.trial_margin: try a strategy predicted at most this much slower that differs in gradient level only."""
     first_plan: Optional[str] = AUTO.first_plan
     """AutoConfig.first_plan: start with this strategy instead of the start-up plan's choice."""
     link_cache: bool = AUTO.link_cache
@@ -133,6 +135,7 @@ class ParoStrategyConfig:
             auto = AutoConfig(memory_budget=self.memory_budget, micro_step_seconds=self.micro_step_seconds,
                               intra=self._link("intra"), inter=self._link("inter"),
                               replan_after_steps=self.replan_after_steps, replan_margin=self.replan_margin,
+                              trial_margin=self.trial_margin,
                               first_plan=self.first_plan, link_cache=self.link_cache,
                               strategies=tuple(self.strategies) if self.strategies is not None else None)
             return PaROOptions(sharding=self.sharding, group_size=self.group_size, units=_unit_classes(self.units),

@@ -20,7 +20,7 @@ from lightning_paro.planner.inputs import Cluster, Compute, Link
 from lightning_paro.planner.link_cache import links_for_job, store_update
 from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth, update_key
 from lightning_paro.planner.memory import agreed_maximum, agreed_minimum, device_memory_bytes
-from lightning_paro.planner.replan import Decision, decide, replan
+from lightning_paro.planner.replan import Decision, decide, replan, settle_trial, trial_candidate
 from lightning_paro.planner.report import describe_links, format_bytes
 from lightning_paro.planner.workload import workload_from_module
 from lightning_paro.strategy.levels import VALID_STRATEGIES
@@ -68,6 +68,10 @@ class AutoConfig:
     replan_margin: float = 0.1
     """A re-plan switches to a strategy predicted at least this much faster (0.1: 10%), or when the one in use no
     longer fits."""
+    trial_margin: float = 0.05
+    """A re-plan that keeps the strategy in use tries the fastest one predicted at most this much slower (0.05: 5%)
+    that differs in the gradient level only, for ``replan_after_steps`` steps, and keeps the faster measured; 0: no
+    trial."""
     first_plan: str | None = None
     """Start with this strategy (e.g. "NNN") instead of the start-up plan's choice; the re-plan then judges it."""
     strategies: tuple[str, ...] | None = None
@@ -101,6 +105,9 @@ class AutoConfig:
         if isinstance(self.replan_margin, bool) or not self.replan_margin >= 0:
             raise OptionError("replan_margin", f"replan_margin must be 0 or more (0.1: switch for a predicted 10%"
                                                f" gain), got {self.replan_margin!r}.")
+        if isinstance(self.trial_margin, bool) or not self.trial_margin >= 0:
+            raise OptionError("trial_margin", f"trial_margin must be 0 (no trial) or more (0.05: try a strategy"
+                                              f" predicted at most 5% slower), got {self.trial_margin!r}.")
         if self.strategies is not None:
             object.__setattr__(self, "strategies", tuple(_strategy_name(s, "strategies") for s in self.strategies))
             if not self.strategies:
@@ -214,10 +221,14 @@ class JobReplanner:
     Two re-plans: after the first step, with the activation memory its micro-steps saved, switching only if the
     strategy in use does not fit with them (the start-up plan counts no activations unless they are declared); and
     after ``replan_after_steps`` steps, with the compute time of the steps after the first as well, switching when
-    the new choice is ``replan_margin`` faster. A figure the user gave is kept instead of the measured one.
+    the new choice is ``replan_margin`` faster. When that re-plan keeps the strategy in use but another, differing in
+    the gradient level only, is predicted within ``trial_margin`` of it (:func:`~.replan.trial_candidate`), it switches
+    to that one for ``replan_after_steps`` steps, measured the same way, and then keeps whichever step time measured
+    shorter (:func:`~.replan.settle_trial`). A figure the user gave is kept instead of the measured one.
 
     Args:
-        config: the options (``replan_after_steps``, ``replan_margin``, ``strategies``, given figures).
+        config: the options (``replan_after_steps``, ``replan_margin``, ``trial_margin``, ``strategies``, given
+            figures).
         start_plan: the plan made at start-up.
         current: the strategy in use.
         device: the compute device.
@@ -247,7 +258,11 @@ class JobReplanner:
         self._fit_checked = False
         self._given_activations = start_plan.workload.micro_batch_activation_bytes > 0
         self._given_compute = config.micro_step_seconds is not None or start_plan.compute.flops_per_second is not None
-        self.recorder = StepRecorder(config.replan_after_steps - 1, self._device, waited, traffic, excluded_storages)
+        self._trial: tuple[str, float] | None = None
+        """While a trial runs: the strategy it left and that strategy's measured step time."""
+        self._recorder = lambda: StepRecorder(config.replan_after_steps - 1, self._device, waited, traffic,
+                                              excluded_storages)
+        self.recorder = self._recorder()
 
     def forward(self):
         """Context around a micro-step's forward."""
@@ -257,8 +272,8 @@ class JobReplanner:
         self.recorder.end_backward()
 
     def end_step(self) -> Decision | None:
-        """After an optimizer step (collective after the first step and after the last measured one): the decision
-        of a re-plan this step completes, else None."""
+        """After an optimizer step (collective after the first step and after the last measured one, a trial's too):
+        the decision of a re-plan or trial this step completes, else None."""
         if self.finished:
             return None
         self.recorder.end_step()
@@ -276,11 +291,31 @@ class JobReplanner:
                     return decide(checked, self.current, math.inf)
         if not self.recorder.done:
             return None
-        self.finished = True
         figures = agree(self.recorder.figures(), self._group, reduce_on)
         self.figures = figures
+        if self._trial is not None:  # the trial's steps are measured: keep the faster
+            self.finished = True
+            before, before_seconds = self._trial
+            predicted = self.plan.candidate(self.current).prediction.step_seconds
+            decision = settle_trial(before, before_seconds, self.current, figures.step_seconds)
+            return dataclasses.replace(decision, measured_over_predicted=figures.step_seconds / predicted
+                                       if predicted > 0 else float("nan"))
         self.plan = replan(self.plan, self.config.memory_budget, self._prefetch, self.config.strategies,
                            micro_step_seconds=None if self._given_compute else figures.micro_step_seconds,
                            activation_bytes=None if self._given_activations else figures.activation_bytes,
                            note=f"re-planned with {figures.describe()}")
-        return decide(self.plan, self.current, self.config.replan_margin, figures.step_seconds)
+        decision = decide(self.plan, self.current, self.config.replan_margin, figures.step_seconds)
+        tried = None if decision.switch_to is not None else trial_candidate(self.plan, self.current,
+                                                                             self.config.trial_margin)
+        if tried is None:
+            self.finished = True
+            return decision
+        self._trial = (self.current, figures.step_seconds)
+        self.recorder = self._recorder()
+        steps = self.config.replan_after_steps
+        speedup = (self.plan.candidate(self.current).prediction.step_seconds
+                   / self.plan.candidate(tried).prediction.step_seconds)
+        return dataclasses.replace(
+            decision, switch_to=tried, predicted_speedup=speedup,
+            reason=f"{decision.reason.rstrip('.')}; {tried}, predicted {speedup:.2f}x as fast, within the trial margin:"
+                   f" try it for {steps} steps and keep the faster measured.")

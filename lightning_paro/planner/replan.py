@@ -38,7 +38,7 @@ class Decision:
     reason: str
     """One sentence: the predicted gain (or why none), or that the strategy in use does not fit."""
     predicted_speedup: float
-    """Predicted step time of the strategy in use over the new choice's (1: no switch)."""
+    """Predicted step time of the strategy in use over the new choice's (1: no switch); after a trial, measured."""
     measured_over_predicted: float
     """The measured step time of the strategy in use over what the re-plan predicts for it: the model's error (nan
     when no step time was measured)."""
@@ -84,3 +84,27 @@ def decide(new_plan: Plan, current: str, margin: float, measured_step_seconds: f
                                 f" (at least {1 + margin:.2f}x asked).", speedup, error)
     return Decision(None, f"keep {current}: {choice} is predicted only {speedup:.2f}x as fast (a switch needs"
                           f" {1 + margin:.2f}x).", speedup, error)
+
+
+def trial_candidate(new_plan: Plan, current: str, margin: float) -> str | None:
+    """The strategy a re-plan that keeps ``current`` should try for a few steps, or None: the fastest fitting other
+    strategy that differs from ``current`` in its gradient level only and is predicted at most ``margin`` slower
+    (0.05: 5%). Such near-ties are where the model's ranking is least sure (its error is larger than the gap), and
+    only the gradient level because gradients live within a step: switching there and back moves no state, so the
+    trial costs at most the few steps it runs slower."""
+    if margin <= 0:
+        return None
+    now = new_plan.candidate(current).prediction.step_seconds
+    near = [c for c in new_plan.candidates
+            if c.fits and c.strategy != current and c.strategy[0] == current[0] and c.strategy[2] == current[2]
+            and c.prediction.step_seconds <= now * (1 + margin)]
+    return min(near, key=lambda c: c.prediction.step_seconds).strategy if near else None
+
+
+def settle_trial(before: str, before_seconds: float, tried: str, tried_seconds: float) -> Decision:
+    """After a trial: keep ``tried`` if its measured step time is shorter than ``before``'s, else switch back."""
+    measured = f"measured {tried_seconds:.4g} s per optimizer step under {tried}, {before_seconds:.4g} s under {before}"
+    if tried_seconds < before_seconds:
+        return Decision(None, f"keep {tried} after its trial: {measured}.", 1.0, float("nan"))
+    speedup = tried_seconds / before_seconds if before_seconds > 0 else 1.0
+    return Decision(before, f"back to {before} after the trial of {tried}: {measured}.", speedup, float("nan"))

@@ -65,10 +65,11 @@ def test_every_paro_knob_is_overridable():
                                        "strategy.micro_step_seconds=0.2", "strategy.intra_gbps=100",
                                        "strategy.inter_gbps=10", "strategy.intra_overlap=0.25",
                                        "strategy.replan_after_steps=6", "strategy.replan_margin=0.2",
-                                       "strategy.first_plan=nng", "strategy.strategies=[NNG,IIG]", *FOUR_CPUS]))
+                                       "strategy.trial_margin=0", "strategy.first_plan=nng", "strategy.strategies=[NNG,IIG]", *FOUR_CPUS]))
     a = auto.options.auto_config
     assert a.memory_budget == 0.5 and a.micro_step_seconds == 0.2
     assert (a.replan_after_steps, a.replan_margin, a.first_plan, a.strategies) == (6, 0.2, "NNG", ("NNG", "IIG"))
+    assert a.trial_margin == 0
     assert a.intra.bandwidth == 100e9 / 8 and a.inter.bandwidth == 10e9 / 8
     assert a.intra.overlap == 0.25 and a.inter.overlap == 1.0
 

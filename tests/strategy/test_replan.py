@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 from launch import launch
 from lightning_paro.planner import AutoConfig, Cluster, Compute, Link, Workload, plan
 from lightning_paro.planner.measure import StepRecorder
-from lightning_paro.planner.replan import decide, replan
+from lightning_paro.planner.job import JobReplanner
+from lightning_paro.planner.replan import decide, replan, settle_trial, trial_candidate
 from lightning_paro.strategy.options import OptionError
 
 
@@ -122,8 +124,66 @@ def test_decide_switches_only_for_the_margin_or_when_the_strategy_in_use_does_no
     assert decide(tight, "NNN", 0.0, measured).measured_over_predicted == pytest.approx(2.0)
 
 
+def _table(**seconds):
+    """A plan's candidate table by hand: strategy=step seconds; a name ending in _ does not fit."""
+    rows = [SimpleNamespace(strategy=name.rstrip("_"), fits=not name.endswith("_"),
+                            prediction=SimpleNamespace(step_seconds=t)) for name, t in seconds.items()]
+    return SimpleNamespace(candidates=rows, candidate=lambda s: next(r for r in rows if r.strategy == s))
+
+
+def test_a_trial_is_the_fastest_near_tie_that_differs_in_the_gradient_level_only():
+    """NNG in use at 1.00 s. Its gradient-only neighbours: NGG (1.04 s), NIG (1.02 s, does not fit). NNN (0.99 s)
+    changes the optimizer states' level and IGG (1.01 s) the parameters': moving those states is no free trial."""
+    table = _table(NNG=1.0, NGG=1.04, NIG_=1.02, NNN=0.99, IGG=1.01)
+    assert trial_candidate(table, "NNG", 0.05) == "NGG"  # 1.04 <= 1.00 x 1.05
+    assert trial_candidate(table, "NNG", 0.03) is None  # 1.04 > 1.03; NIG would be near enough but does not fit
+    assert trial_candidate(table, "NNG", 0.0) is None  # off
+    # faster by less than a switch's margin: tried as well, the fastest of two neighbours first
+    assert trial_candidate(_table(NNG=1.0, NGG=0.97, NIG=0.98), "NNG", 0.05) == "NGG"
+    assert trial_candidate(_table(IIG=2.0, IGG=2.08, NIG=2.0), "IIG", 0.05) == "IGG"  # 2.08 <= 2.10; NIG: params
+
+
+def test_a_trial_keeps_the_faster_measured():
+    kept = settle_trial("NNG", 0.50, "NGG", 0.45)
+    assert kept.switch_to is None and "keep NGG" in kept.reason and "0.45 s" in kept.reason
+    back = settle_trial("NNG", 0.50, "NGG", 0.55)
+    assert back.switch_to == "NNG" and back.predicted_speedup == pytest.approx(1.1)
+    assert settle_trial("NNG", 0.50, "NGG", 0.50).switch_to == "NNG"  # a tie: back to the strategy chosen first
+
+
+@pytest.mark.parametrize("tried_seconds, kept", [(0.01, "NGG"), (0.12, "NNG")])
+def test_the_replanner_tries_a_near_tie_and_keeps_the_faster(world_of_one, tried_seconds, kept):
+    """NNG in use with NGG its only gradient-only neighbour, the trial margin wide enough for any prediction and no
+    switch margin: re-planned after 2 steps (the first not timed), NGG is tried for 2 steps and kept only if its timed
+    step (slept ``tried_seconds``) is shorter than NNG's (slept 0.06 s)."""
+    config = AutoConfig(strategies=("NNG", "NGG"), replan_after_steps=2, replan_margin=1e9, trial_margin=1e9)
+    start, _ = _plan(0.9)
+    planner = JobReplanner(config, start, "NNG", "cpu", waited=lambda: 0.0, traffic=lambda: (0.0, 0.0),
+                           excluded_storages=set)
+    model = nn.Linear(4, 4)
+
+    def step(seconds: float):
+        with planner.forward():
+            loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        planner.end_backward()
+        time.sleep(seconds)
+        return planner.end_step()
+
+    assert step(0.06) is None  # the activation check: NNG fits
+    trial = step(0.06)
+    assert trial.switch_to == "NGG" and "try it for 2 steps" in trial.reason and not planner.finished
+    planner.current = "NGG"
+    assert step(tried_seconds * 5) is None  # the trial's first step is not timed
+    settled = step(tried_seconds)
+    assert planner.finished and step(0.0) is None
+    assert (settled.switch_to or "NGG") == kept
+    assert planner.figures.step_seconds == pytest.approx(tried_seconds, abs=0.03)
+
+
 @pytest.mark.parametrize("kwargs, option", [({"replan_after_steps": 1}, "replan_after_steps"),
                                             ({"replan_margin": -0.1}, "replan_margin"),
+                                            ({"trial_margin": -0.05}, "trial_margin"),
                                             ({"first_plan": "XYZ"}, "first_plan"),
                                             ({"strategies": ("NNN", "ABC")}, "strategies"),
                                             ({"first_plan": "GGG", "strategies": ("NNN",)}, "first_plan"),
@@ -174,6 +234,28 @@ def test_a_switch_to_coarser_levels_gathers_and_equals_saving_and_resuming(repla
         assert switched["losses"] == result(f"{label}-first", rank)["losses"] + result(f"{label}-resumed", rank)["losses"]
     a, b = weights(f"{label}-switch"), weights(f"{label}-resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(480)
+def test_a_trial_switches_to_a_near_tie_and_keeps_the_faster_measured(replan_runs):
+    """NNG forced first, NGG within the trial margin: after step 2 every rank switches to NGG, after step 4 it keeps
+    NGG or switches back, by the step times measured (the same on every rank); the losses follow NNG's alone (the
+    gradient level changes only how gradients are reduced, so up to summation order)."""
+    result, _, log = replan_runs
+    runs = [result("trial", r) for r in range(4)]
+    made = [[(s["step"], s["from"], s["to"], s["reason"]) for s in r["switches"]] for r in runs]
+    assert all(m == made[0] for m in made)
+    first, *back = runs[0]["switches"]
+    assert (first["step"], first["from"], first["to"]) == (2, "NNG", "NGG") and "try it for 2 steps" in first["reason"]
+    if back:
+        [back] = back
+        assert (back["step"], back["from"], back["to"]) == (4, "NGG", "NNG") and "back to NNG" in back["reason"]
+    else:
+        assert "keep NGG after its trial" in log
+    assert runs[0]["strategy"] == ("NNG" if back else "NGG") and runs[0]["global_step"] == 6
+    alone = result("trial-nng")["losses"]
+    assert len(runs[0]["losses"]) == len(alone) and torch.allclose(torch.tensor(runs[0]["losses"]),
+                                                                   torch.tensor(alone), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(480)

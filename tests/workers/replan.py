@@ -12,6 +12,8 @@ Usage: replan.py OUT_DIR. Four ranks in two groups of two. Jobs, in order:
 - ``widen-*`` and ``rail-*``: GGG forced first among GGG and NNN, IIG among IIG and NII, with no margin: the re-plan
   after 2 steps switches to the faster one, so the parameters and optimizer states move to coarser levels (a global
   and an inter-group gather); each against its own save/resume pair.
+- ``trial`` and ``trial-nng``: auto forced to start on NNG among NNG and NGG with a trial margin wide enough for any
+  prediction: after 2 steps it tries NGG for 2 and keeps the faster; against NNG alone for the same 6 steps.
 - ``off``: auto with ``replan_after_steps=0``: no re-planner, no switch.
 
 Per job and rank: OUT_DIR/ID.RANK.json (losses, the strategy at the end, switches, the plan's notes and figures);
@@ -131,6 +133,11 @@ for label, first, then in (("widen", "GGG", "NNN"), ("rail", "IIG", "NII")):
         save=str(saved))
     run(f"{label}-resumed", PaROStrategy(sharding=then, group_size=GROUP, state_dict_type="full"), epochs=2,
         resume=str(saved))
+# a trial: NNG in use, NGG (gradients sharded globally) predicted within the trial margin whatever was measured
+trial = AutoConfig(first_plan="NNG", strategies=("NNG", "NGG"), replan_after_steps=2, replan_margin=1e9,
+                   trial_margin=1e9, **LINKS)
+run("trial", PaROStrategy(sharding="auto", group_size=GROUP, auto=trial), epochs=3)
+run("trial-nng", PaROStrategy(sharding="NNG", group_size=GROUP), epochs=3)
 run("off", PaROStrategy(sharding="auto", group_size=GROUP, auto=AutoConfig(replan_after_steps=0, **LINKS)), epochs=1)
 # two jobs in a row that probe: the second finds the first's links in the cache (the test's own directory); the
 # check's tolerance is widened for the second (timings on CPU processes under a loaded test machine move more than the
