@@ -88,7 +88,7 @@ class ParoStrategyConfig:
     replan_margin: float = AUTO.replan_margin
     """AutoConfig.replan_margin: the predicted gain a switch needs (0.1: 10%)."""
     trial_margin: float = AUTO.trial_margin
-    """AutoConfig.trial_margin: try a strategy predicted at most this much slower that differs in gradient level only."""
+    """AutoConfig.trial_margin: try a strategy predicted at most this much slower, differing in gradient level only."""
     first_plan: Optional[str] = AUTO.first_plan
     """AutoConfig.first_plan: start with this strategy instead of the start-up plan's choice."""
     link_cache: bool = AUTO.link_cache
