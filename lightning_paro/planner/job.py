@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from lightning_paro.planner.choose import DEFAULT_MEMORY_BUDGET, Plan, plan
 from lightning_paro.planner.cost_model import fastest_chunk_bytes
@@ -68,10 +68,10 @@ class AutoConfig:
     replan_margin: float = 0.1
     """A re-plan switches to a strategy predicted at least this much faster (0.1: 10%), or when the one in use no
     longer fits."""
-    trial_margin: float = 0.05
-    """A re-plan that keeps the strategy in use tries the fastest one predicted at most this much slower (0.05: 5%)
-    that differs in the gradient level only, for ``replan_after_steps`` steps, and keeps the faster measured; 0: no
-    trial."""
+    trial_margin: float = 0.1
+    """A re-plan that keeps the strategy in use tries the fastest one predicted at most this much slower (0.1: 10%)
+    that differs in the gradient level only, for ``replan_after_steps`` steps, and keeps the faster measured (only
+    when the fit goes on at least as many steps after the trial); 0: no trial."""
     first_plan: str | None = None
     """Start with this strategy (e.g. "NNN") instead of the start-up plan's choice; the re-plan then judges it."""
     strategies: tuple[str, ...] | None = None
@@ -106,8 +106,8 @@ class AutoConfig:
             raise OptionError("replan_margin", f"replan_margin must be 0 or more (0.1: switch for a predicted 10%"
                                                f" gain), got {self.replan_margin!r}.")
         if isinstance(self.trial_margin, bool) or not self.trial_margin >= 0:
-            raise OptionError("trial_margin", f"trial_margin must be 0 (no trial) or more (0.05: try a strategy"
-                                              f" predicted at most 5% slower), got {self.trial_margin!r}.")
+            raise OptionError("trial_margin", f"trial_margin must be 0 (no trial) or more (0.1: try a strategy"
+                                              f" predicted at most 10% slower), got {self.trial_margin!r}.")
         if self.strategies is not None:
             object.__setattr__(self, "strategies", tuple(_strategy_name(s, "strategies") for s in self.strategies))
             if not self.strategies:
@@ -222,9 +222,10 @@ class JobReplanner:
     strategy in use does not fit with them (the start-up plan counts no activations unless they are declared); and
     after ``replan_after_steps`` steps, with the compute time of the steps after the first as well, switching when
     the new choice is ``replan_margin`` faster. When that re-plan keeps the strategy in use but another, differing in
-    the gradient level only, is predicted within ``trial_margin`` of it (:func:`~.replan.trial_candidate`), it switches
-    to that one for ``replan_after_steps`` steps, measured the same way, and then keeps whichever step time measured
-    shorter (:func:`~.replan.settle_trial`). A figure the user gave is kept instead of the measured one.
+    the gradient level only, is predicted within ``trial_margin`` of it (:func:`~.replan.trial_candidate`), and the
+    fit goes on for at least ``replan_after_steps`` steps after a trial of as many, it switches to that one for
+    ``replan_after_steps`` steps, measured the same way, and then keeps whichever step time measured shorter
+    (:func:`~.replan.settle_trial`). A figure the user gave is kept instead of the measured one.
 
     Args:
         config: the options (``replan_after_steps``, ``replan_margin``, ``trial_margin``, ``strategies``, given
@@ -237,10 +238,13 @@ class JobReplanner:
         excluded_storages: storages that hold parameters, not activations.
         group: the process group of every rank (the measurements are agreed over it).
         prefetch: the strategy's ``prefetch``.
+        steps_left: optimizer steps the fit has left after the one just made (the same on every rank); None: not
+            known, as many as needed.
     """
 
     def __init__(self, config: AutoConfig, start_plan: Plan, current: str, device, waited, traffic,
-                 excluded_storages, group=None, prefetch: int = 1) -> None:
+                 excluded_storages, group=None, prefetch: int = 1,
+                 steps_left: Callable[[], float] | None = None) -> None:
         import torch
 
         self.config = config
@@ -258,6 +262,7 @@ class JobReplanner:
         self._fit_checked = False
         self._given_activations = start_plan.workload.micro_batch_activation_bytes > 0
         self._given_compute = config.micro_step_seconds is not None or start_plan.compute.flops_per_second is not None
+        self._steps_left = steps_left
         self._trial: tuple[str, float] | None = None
         """While a trial runs: the strategy it left and that strategy's measured step time."""
         self._recorder = lambda: StepRecorder(config.replan_after_steps - 1, self._device, waited, traffic,
@@ -305,14 +310,15 @@ class JobReplanner:
                            activation_bytes=None if self._given_activations else figures.activation_bytes,
                            note=f"re-planned with {figures.describe()}")
         decision = decide(self.plan, self.current, self.config.replan_margin, figures.step_seconds)
-        tried = None if decision.switch_to is not None else trial_candidate(self.plan, self.current,
-                                                                             self.config.trial_margin)
+        steps = self.config.replan_after_steps
+        long_enough = self._steps_left is None or self._steps_left() >= 2 * steps  # the trial, then as many again
+        tried = None if decision.switch_to is not None or not long_enough else trial_candidate(
+            self.plan, self.current, self.config.trial_margin)
         if tried is None:
             self.finished = True
             return decision
         self._trial = (self.current, figures.step_seconds)
         self.recorder = self._recorder()
-        steps = self.config.replan_after_steps
         speedup = (self.plan.candidate(self.current).prediction.step_seconds
                    / self.plan.candidate(tried).prediction.step_seconds)
         return dataclasses.replace(

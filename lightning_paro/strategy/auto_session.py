@@ -49,14 +49,16 @@ class AutoSession:
         return name
 
     def start_fit(self, current: str, device, waited: Callable[[], float], traffic: Callable[[], tuple[float, float]],
-                  module, group, prefetch: int, manual: bool) -> None:
+                  module, group, prefetch: int, manual: bool, steps_left: Optional[Callable[[], float]] = None) -> None:
         """At the start of fit: measure the first optimizer steps for the re-plans (not under manual optimization,
-        whose steps the strategy does not see, nor with ``replan_after_steps=0``)."""
+        whose steps the strategy does not see, nor with ``replan_after_steps=0``). ``steps_left``: the optimizer steps the fit has left after the one just made
+        (a trial runs only if it can pay back)."""
         self.replanner = None
         if self.plan is None or not self.config.replan_after_steps or manual:
             return
         self.replanner = JobReplanner(
             self.config, self.plan, current, device, waited=waited, traffic=traffic, prefetch=prefetch, group=group,
+            steps_left=steps_left,
             excluded_storages=lambda: {p.untyped_storage().data_ptr() for p in module.parameters()})
 
     def forward(self) -> ContextManager[None]:

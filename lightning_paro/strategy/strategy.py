@@ -8,6 +8,7 @@ back at teardown in ``teardown.py``, the per-step traffic record in ``traffic.py
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -265,7 +266,8 @@ class PaROStrategy(ParallelStrategy):
             self._auto_session.start_fit(self.sharding.name, self.root_device, waited=lambda: comm.waited_seconds,
                                          traffic=lambda: sent(meter), module=self.lightning_module,
                                          group=self.topology.groups.world, prefetch=self._prefetch,
-                                         manual=self._manual is not None)
+                                         manual=self._manual is not None,
+                                         steps_left=lambda: _steps_left(trainer))
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -635,3 +637,11 @@ class PaROStrategy(ParallelStrategy):
             strategy_registry.register(f"paro_{name.lower()}", cls, description=f"PaRO-DP strategy {name}",
                                        sharding=name)
 
+
+def _steps_left(trainer: "pl.Trainer") -> float:
+    """Optimizer steps the fit has left after the one being made (called from its step hook, before ``global_step``
+    counts it); infinite when the trainer cannot tell."""
+    try:
+        return float(trainer.estimated_stepping_batches) - (trainer.global_step + 1)
+    except Exception:  # noqa: BLE001  (no length to estimate from: as many as needed)
+        return math.inf

@@ -155,11 +155,9 @@ def test_a_trial_keeps_the_faster_measured():
 def test_the_replanner_tries_a_near_tie_and_keeps_the_faster(world_of_one, tried_seconds, kept):
     """NNG in use with NGG its only gradient-only neighbour, the trial margin wide enough for any prediction and no
     switch margin: re-planned after 2 steps (the first not timed), NGG is tried for 2 steps and kept only if its timed
-    step (slept ``tried_seconds``) is shorter than NNG's (slept 0.06 s)."""
+    step (slept ``tried_seconds``) is shorter than NNG's (slept 0.06 s), and only where the fit goes on long enough."""
     config = AutoConfig(strategies=("NNG", "NGG"), replan_after_steps=2, replan_margin=1e9, trial_margin=1e9)
     start, _ = _plan(0.9)
-    planner = JobReplanner(config, start, "NNG", "cpu", waited=lambda: 0.0, traffic=lambda: (0.0, 0.0),
-                           excluded_storages=set)
     model = nn.Linear(4, 4)
 
     def step(seconds: float):
@@ -170,6 +168,12 @@ def test_the_replanner_tries_a_near_tie_and_keeps_the_faster(world_of_one, tried
         time.sleep(seconds)
         return planner.end_step()
 
+    # a fit of 5 steps has 3 left after the re-plan's second: too few for a trial of 2 and 2 more after it
+    planner = JobReplanner(config, start, "NNG", "cpu", waited=lambda: 0.0, traffic=lambda: (0.0, 0.0),
+                           excluded_storages=set, steps_left=lambda: 3)
+    assert step(0.0) is None and step(0.0).switch_to is None and planner.finished
+    planner = JobReplanner(config, start, "NNG", "cpu", waited=lambda: 0.0, traffic=lambda: (0.0, 0.0),
+                           excluded_storages=set, steps_left=lambda: 4)
     assert step(0.06) is None  # the activation check: NNG fits
     trial = step(0.06)
     assert trial.switch_to == "NGG" and "try it for 2 steps" in trial.reason and not planner.finished
