@@ -263,6 +263,8 @@ class JobReplanner:
         self._given_activations = start_plan.workload.micro_batch_activation_bytes > 0
         self._given_compute = config.micro_step_seconds is not None or start_plan.compute.flops_per_second is not None
         self._steps_left = steps_left
+        self.tried: str | None = None
+        """The strategy tried after the re-plan, if one was."""
         self._trial: tuple[str, float] | None = None
         """While a trial runs: the strategy it left and that strategy's measured step time."""
         self._recorder = lambda: StepRecorder(config.replan_after_steps - 1, self._device, waited, traffic,
@@ -311,13 +313,14 @@ class JobReplanner:
                            note=f"re-planned with {figures.describe()}")
         decision = decide(self.plan, self.current, self.config.replan_margin, figures.step_seconds)
         steps = self.config.replan_after_steps
-        long_enough = self._steps_left is None or self._steps_left() >= 2 * steps  # the trial, then as many again
-        tried = None if decision.switch_to is not None or not long_enough else trial_candidate(
-            self.plan, self.current, self.config.trial_margin)
+        tried = None if decision.switch_to is not None else trial_candidate(self.plan, self.current,
+                                                                             self.config.trial_margin)
+        if tried is not None and self._steps_left is not None and self._steps_left() < 2 * steps:
+            tried = None  # too few steps left for the trial and as many again after it: it could not pay back
         if tried is None:
             self.finished = True
             return decision
-        self._trial = (self.current, figures.step_seconds)
+        self._trial, self.tried = (self.current, figures.step_seconds), tried
         self.recorder = self._recorder()
         speedup = (self.plan.candidate(self.current).prediction.step_seconds
                    / self.plan.candidate(tried).prediction.step_seconds)

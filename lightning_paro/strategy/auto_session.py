@@ -90,8 +90,12 @@ class AutoSession:
                 f" measured {planner.figures.step_seconds:.4g} s per optimizer step under {planner.current},"
                 f" {decision.measured_over_predicted:.2f}x the re-plan's prediction for it.")
             steps = f"{step} step{'s' if step != 1 else ''}"
-            rank_zero_info(f"PaRO sharding='auto' re-planned after {steps}:{measured} {decision.reason}\n"
-                           f"{format_plan(planner.plan)}")
+            if planner.tried is not None and planner.finished:  # the trial's end: measured, the plan is unchanged
+                rank_zero_info(f"PaRO sharding='auto' ended the trial of {planner.tried} after {steps}:{measured}"
+                               f" {decision.reason}")
+            else:
+                rank_zero_info(f"PaRO sharding='auto' re-planned after {steps}:{measured} {decision.reason}\n"
+                               f"{format_plan(planner.plan)}")
             if decision.switch_to is not None:
                 settle()
                 previous, started = planner.current, time.perf_counter()

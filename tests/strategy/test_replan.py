@@ -180,7 +180,7 @@ def test_the_replanner_tries_a_near_tie_and_keeps_the_faster(world_of_one, tried
     planner.current = "NGG"
     assert step(tried_seconds * 5) is None  # the trial's first step is not timed
     settled = step(tried_seconds)
-    assert planner.finished and step(0.0) is None
+    assert planner.finished and planner.tried == "NGG" and step(0.0) is None
     assert (settled.switch_to or "NGG") == kept
     assert planner.figures.step_seconds == pytest.approx(tried_seconds, abs=0.03)
 
@@ -256,6 +256,7 @@ def test_a_trial_switches_to_a_near_tie_and_keeps_the_faster_measured(replan_run
         assert (back["step"], back["from"], back["to"]) == (4, "NGG", "NNG") and "back to NNG" in back["reason"]
     else:
         assert "keep NGG after its trial" in log
+    assert "ended the trial of NGG after 4 steps: measured" in log
     assert runs[0]["strategy"] == ("NNG" if back else "NGG") and runs[0]["global_step"] == 6
     alone = result("trial-nng")["losses"]
     assert len(runs[0]["losses"]) == len(alone) and torch.allclose(torch.tensor(runs[0]["losses"]),
