@@ -51,8 +51,8 @@ class AutoSession:
     def start_fit(self, current: str, device, waited: Callable[[], float], traffic: Callable[[], tuple[float, float]],
                   module, group, prefetch: int, manual: bool, steps_left: Optional[Callable[[], float]] = None) -> None:
         """At the start of fit: measure the first optimizer steps for the re-plans (not under manual optimization,
-        whose steps the strategy does not see, nor with ``replan_after_steps=0``). ``steps_left``: the optimizer steps the fit has left after the one just made
-        (a trial runs only if it can pay back)."""
+        whose steps the strategy does not see, nor with ``replan_after_steps=0``). ``steps_left``: the optimizer steps
+        the fit has left after the one just made (a trial runs only if it can pay back)."""
         self.replanner = None
         if self.plan is None or not self.config.replan_after_steps or manual:
             return
