@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import time
@@ -18,14 +19,17 @@ BATCH = 32
 LOADER_WORKERS = 2
 ENCODER = dict(width=256, layers=2)
 SCORER = dict(width=256, layers=6)
+LIGHT_SCORER_LAYERS = 2
+"""Layers of the second model in the light-second-stage configuration (about a third of the encoder's time per row:
+two models whose CPU time together leaves room on two cores, unlike the equal pair)."""
 
 
 def build_encoder() -> torch.nn.Module:
     return TinyEncoder(**ENCODER).eval()
 
 
-def build_scorer() -> torch.nn.Module:
-    return Scorer(**SCORER).eval()
+def build_scorer(layers: int | None = None) -> torch.nn.Module:
+    return Scorer(**{**SCORER, **({"layers": layers} if layers else {})}).eval()
 
 
 def _embedding_column(x: torch.Tensor) -> pa.Array:
@@ -43,14 +47,14 @@ def _loader(url, rows):
     return DataLoader(HttpRecords(url, rows), batch_size=BATCH, num_workers=LOADER_WORKERS)
 
 
-def _lightning_module(multi: bool, elastic: bool):
+def _lightning_module(multi: bool, elastic: bool, scorer_layers: int | None = None):
     import lightning as L
 
     class Predictor(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.encoder = build_encoder()
-            self.scorer = build_scorer() if multi else None
+            self.scorer = build_scorer(scorer_layers) if multi else None
 
         def predict_step(self, batch, batch_idx):
             embedding = self.encoder(batch["tokens"])
@@ -122,7 +126,7 @@ def _trainer(callbacks):
                      enable_model_summary=False, enable_checkpointing=False)
 
 
-def baseline(url, rows, out: Path, multi: bool) -> dict:
+def baseline(url, rows, out: Path, multi: bool, scorer_layers: int | None = None) -> dict:
     """Plain Trainer.predict with a BasePredictionWriter writing one Parquet file per batch."""
     from lightning.pytorch.callbacks import BasePredictionWriter
 
@@ -141,7 +145,8 @@ def baseline(url, rows, out: Path, multi: bool) -> dict:
     clock = _BatchClock()
     trainer = _trainer([ParquetWriter(), _stamping_callback(clock)])
     start = time.perf_counter()
-    trainer.predict(_lightning_module(multi, elastic=False), dataloaders=_loader(url, rows), return_predictions=False)
+    trainer.predict(_lightning_module(multi, elastic=False, scorer_layers=scorer_layers), dataloaders=_loader(url, rows),
+                    return_predictions=False)
     elapsed = time.perf_counter() - start
     written = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("*.parquet"))
     return {**_timing(elapsed, start, clock), "rows": written}
@@ -178,9 +183,9 @@ class _EncodeStage(torch.nn.Module):
 
 
 class _ScoreStage(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int | None = None) -> None:
         super().__init__()
-        self.scorer = build_scorer()
+        self.scorer = build_scorer(layers)
 
     def forward(self, batch):
         return {"embedding": batch["embedding"], "scores": self.scorer(batch["embedding"])}
@@ -190,17 +195,18 @@ def build_encode_stage():
     return _EncodeStage().eval()
 
 
-def build_score_stage():
-    return _ScoreStage().eval()
+def build_score_stage(layers: int | None = None):
+    return _ScoreStage(layers).eval()
 
 
-def pipeline(url, rows, out: Path, max_replicas: int, fetch_threads=None) -> dict:
+def pipeline(url, rows, out: Path, max_replicas: int, fetch_threads=None, scorer_layers: int | None = None) -> dict:
     """Two models as pipeline stages in their own processes (with ``max_replicas`` 2, one process each)."""
     from lightning_paro.predict import PipelineStage, read_predictions, run_pipeline
 
     clock = _BatchClock()
     _stamp_worker_batches(clock)
-    stages = [PipelineStage("encode", build_encode_stage), PipelineStage("score", build_score_stage)]
+    stages = [PipelineStage("encode", build_encode_stage),
+              PipelineStage("score", functools.partial(build_score_stage, scorer_layers))]
     start = time.perf_counter()
     report = run_pipeline(stages, _loader(url, rows), str(out), max_replicas=max_replicas, shard_size=256,
                           fetch_threads=fetch_threads)
@@ -210,7 +216,7 @@ def pipeline(url, rows, out: Path, max_replicas: int, fetch_threads=None) -> dic
             "replicas": report.replicas, "fetch_threads_used": _threads_used(report.fetch_threads)}
 
 
-def model_limit(multi: bool, measure_rows: int = 640) -> dict:
+def model_limit(multi: bool, measure_rows: int = 640, scorer_layers: int | None = None) -> dict:
     """Each model alone on a token batch held in memory (the benchmark's batch size, one thread, after one warm-up
     call): the model stage's own throughput."""
     tokens = torch.randint(0, 4096, (BATCH, 64))
@@ -223,7 +229,7 @@ def model_limit(multi: bool, measure_rows: int = 640) -> dict:
             embedding = encoder(tokens)
         result["encoder_rows_per_s"] = measure_rows / (time.perf_counter() - start)
         if multi:
-            scorer = build_scorer()
+            scorer = build_scorer(scorer_layers)
             scorer(embedding)
             start = time.perf_counter()
             for _ in range(measure_rows // BATCH):

@@ -29,6 +29,11 @@ LABELS = {
         ("1 model", "elastic_single_fetch_threads_16", "ElasticPredict, fetch_threads=16", "baseline_single"),
         ("2 models", "baseline_multi", "Trainer.predict, both models in predict_step", "baseline_multi"),
         ("2 models", "pipeline_multi", "run_pipeline, defaults, one process per stage", "baseline_multi"),
+        ("2 models, light second stage", "model_limit_light", "the slower stage alone (inputs in memory)", None),
+        ("2 models, light second stage", "baseline_multi_light", "Trainer.predict, both models in predict_step",
+         "baseline_multi_light"),
+        ("2 models, light second stage", "pipeline_multi_light", "run_pipeline, defaults, one process per stage",
+         "baseline_multi_light"),
     ],
 }
 
@@ -84,6 +89,11 @@ def render(results: dict) -> str:
             f"{_median([m['encoder_rows_per_s'] for m in models]):.0f} rows/s; scorer alone: "
             f"{_median([m['scorer_rows_per_s'] for m in models]):.0f} rows/s"
         )
+    light = _runs(passes, "compute", "model_limit_light")
+    if light:
+        lines.append(f"* light second stage (the scorer with 2 layers, not 6) alone: "
+                     f"{_median([m['scorer_rows_per_s'] for m in light]):.0f} rows/s (encoder in that run: "
+                     f"{_median([m['encoder_rows_per_s'] for m in light]):.0f} rows/s)")
     lines += [
         "",
         "| workload | configuration | rows/s, whole run (median) | each pass | rows/s after the first batch | vs "

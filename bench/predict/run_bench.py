@@ -50,6 +50,10 @@ COMPUTE = [
     ("elastic_single_fetch_threads_16", "elastic", {"multi": False, "fetch_threads": 16}),
     ("baseline_multi", "baseline", {"multi": True}),
     ("pipeline_multi", "pipeline", {"max_replicas": 2}),
+    # two models whose CPU time together leaves room on two cores (the second a third of the first)
+    ("model_limit_light", "model_limit", {"multi": True, "measure_rows": 1280, "scorer_layers": 2}),
+    ("baseline_multi_light", "baseline", {"multi": True, "scorer_layers": 2}),
+    ("pipeline_multi_light", "pipeline", {"max_replicas": 2, "scorer_layers": 2}),
 ]
 # the ratios of the acceptance criteria: (name, numerator, denominator), keys as "workload.configuration.measure"
 RATIOS = [
@@ -67,6 +71,12 @@ RATIOS = [
      "compute.pipeline_multi.steady_rows_per_s", "compute.model_limit.rows_per_s"),
     ("compute-bound, 2 models: run_pipeline / Trainer.predict with both models",
      "compute.pipeline_multi.rows_per_s", "compute.baseline_multi.rows_per_s"),
+    ("compute-bound, 2 models, light second stage: run_pipeline / the slowest stage alone (whole run)",
+     "compute.pipeline_multi_light.rows_per_s", "compute.model_limit_light.rows_per_s"),
+    ("compute-bound, 2 models, light second stage: run_pipeline / the slowest stage alone (after the first batch)",
+     "compute.pipeline_multi_light.steady_rows_per_s", "compute.model_limit_light.rows_per_s"),
+    ("compute-bound, 2 models, light second stage: run_pipeline / Trainer.predict with both models",
+     "compute.pipeline_multi_light.rows_per_s", "compute.baseline_multi_light.rows_per_s"),
     ("latency-bound, 1 model: ElasticPredict (defaults) / Trainer.predict + writer",
      "latency.elastic_single.rows_per_s", "latency.baseline_single.rows_per_s"),
     ("latency-bound, 2 models: run_pipeline (defaults) / Trainer.predict with both models",
