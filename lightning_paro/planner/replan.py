@@ -89,9 +89,9 @@ def decide(new_plan: Plan, current: str, margin: float, measured_step_seconds: f
 def trial_candidate(new_plan: Plan, current: str, margin: float) -> str | None:
     """The strategy a re-plan that keeps ``current`` should try for a few steps, or None: the fastest fitting other
     strategy that differs from ``current`` in its gradient level only and is predicted at most ``margin`` slower
-    (0.1: 10%; faster by less than a switch's margin counts too). Such near-ties are where the model's ranking is least sure (its error is larger than the gap), and
-    only the gradient level because gradients live within a step: switching there and back moves no state, so the
-    trial costs at most the few steps it runs slower."""
+    (0.1: 10%; faster by less than a switch's margin counts too). Such near-ties are where the model's ranking is
+    least sure (its error is larger than the gap), and only the gradient level because gradients live within a
+    step: switching there and back moves no state, so the trial costs at most the few steps it runs slower."""
     if margin <= 0:
         return None
     now = new_plan.candidate(current).prediction.step_seconds
