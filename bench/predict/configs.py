@@ -19,9 +19,6 @@ BATCH = 32
 LOADER_WORKERS = 2
 ENCODER = dict(width=256, layers=2)
 SCORER = dict(width=256, layers=6)
-LIGHT_SCORER_LAYERS = 2
-"""Layers of the second model in the light-second-stage configuration (about a third of the encoder's time per row:
-two models whose CPU time together leaves room on two cores, unlike the equal pair)."""
 
 
 def build_encoder() -> torch.nn.Module:
@@ -29,7 +26,7 @@ def build_encoder() -> torch.nn.Module:
 
 
 def build_scorer(layers: int | None = None) -> torch.nn.Module:
-    return Scorer(**{**SCORER, **({"layers": layers} if layers else {})}).eval()
+    return Scorer(**{**SCORER, "layers": layers or SCORER["layers"]}).eval()
 
 
 def _embedding_column(x: torch.Tensor) -> pa.Array:
@@ -145,8 +142,8 @@ def baseline(url, rows, out: Path, multi: bool, scorer_layers: int | None = None
     clock = _BatchClock()
     trainer = _trainer([ParquetWriter(), _stamping_callback(clock)])
     start = time.perf_counter()
-    trainer.predict(_lightning_module(multi, elastic=False, scorer_layers=scorer_layers), dataloaders=_loader(url, rows),
-                    return_predictions=False)
+    module = _lightning_module(multi, elastic=False, scorer_layers=scorer_layers)
+    trainer.predict(module, dataloaders=_loader(url, rows), return_predictions=False)
     elapsed = time.perf_counter() - start
     written = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("*.parquet"))
     return {**_timing(elapsed, start, clock), "rows": written}

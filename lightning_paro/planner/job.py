@@ -20,7 +20,7 @@ from lightning_paro.planner.inputs import Cluster, Compute, Link
 from lightning_paro.planner.link_cache import links_for_job, store_update
 from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth, update_key
 from lightning_paro.planner.memory import agreed_maximum, agreed_minimum, device_memory_bytes
-from lightning_paro.planner.replan import Decision, decide, replan, settle_trial, trial_candidate
+from lightning_paro.planner.replan import Decision, decide, replan, settle_trial, start_trial, trial_candidate
 from lightning_paro.planner.report import describe_links, format_bytes
 from lightning_paro.planner.workload import workload_from_module
 from lightning_paro.strategy.levels import VALID_STRATEGIES
@@ -303,10 +303,8 @@ class JobReplanner:
         if self._trial is not None:  # the trial's steps are measured: keep the faster
             self.finished = True
             before, before_seconds = self._trial
-            predicted = self.plan.candidate(self.current).prediction.step_seconds
-            decision = settle_trial(before, before_seconds, self.current, figures.step_seconds)
-            return dataclasses.replace(decision, measured_over_predicted=figures.step_seconds / predicted
-                                       if predicted > 0 else float("nan"))
+            return settle_trial(before, before_seconds, self.current, figures.step_seconds,
+                                self.plan.candidate(self.current).prediction.step_seconds)
         self.plan = replan(self.plan, self.config.memory_budget, self._prefetch, self.config.strategies,
                            micro_step_seconds=None if self._given_compute else figures.micro_step_seconds,
                            activation_bytes=None if self._given_activations else figures.activation_bytes,
@@ -322,9 +320,4 @@ class JobReplanner:
             return decision
         self._trial, self.tried = (self.current, figures.step_seconds), tried
         self.recorder = self._recorder()
-        speedup = (self.plan.candidate(self.current).prediction.step_seconds
-                   / self.plan.candidate(tried).prediction.step_seconds)
-        return dataclasses.replace(
-            decision, switch_to=tried, predicted_speedup=speedup,
-            reason=f"{decision.reason.rstrip('.')}; {tried}, predicted {speedup:.2f}x as fast, within the trial margin:"
-                   f" try it for {steps} steps and keep the faster measured.")
+        return start_trial(decision, self.plan, self.current, tried, steps)

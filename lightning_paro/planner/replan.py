@@ -101,10 +101,22 @@ def trial_candidate(new_plan: Plan, current: str, margin: float) -> str | None:
     return min(near, key=lambda c: c.prediction.step_seconds).strategy if near else None
 
 
-def settle_trial(before: str, before_seconds: float, tried: str, tried_seconds: float) -> Decision:
-    """After a trial: keep ``tried`` if its measured step time is shorter than ``before``'s, else switch back."""
+def start_trial(kept: Decision, new_plan: Plan, current: str, tried: str, steps: int) -> Decision:
+    """The re-plan's decision ``kept`` (no switch) turned into a switch to ``tried`` for ``steps`` steps."""
+    speedup = new_plan.candidate(current).prediction.step_seconds / new_plan.candidate(tried).prediction.step_seconds
+    return dataclasses.replace(
+        kept, switch_to=tried, predicted_speedup=speedup,
+        reason=f"{kept.reason.rstrip('.')}; {tried}, predicted {speedup:.2f}x as fast, within the trial margin: try it"
+               f" for {steps} steps and keep the faster measured.")
+
+
+def settle_trial(before: str, before_seconds: float, tried: str, tried_seconds: float,
+                 predicted_seconds: float = float("nan")) -> Decision:
+    """After a trial: keep ``tried`` if its measured step time is shorter than ``before``'s, else switch back.
+    ``predicted_seconds``: the plan's step time for ``tried`` (for the model's error)."""
     measured = f"measured {tried_seconds:.4g} s per optimizer step under {tried}, {before_seconds:.4g} s under {before}"
+    error = tried_seconds / predicted_seconds if predicted_seconds > 0 else float("nan")
     if tried_seconds < before_seconds:
-        return Decision(None, f"keep {tried} after its trial: {measured}.", 1.0, float("nan"))
+        return Decision(None, f"keep {tried} after its trial: {measured}.", 1.0, error)
     speedup = tried_seconds / before_seconds if before_seconds > 0 else 1.0
-    return Decision(before, f"back to {before} after the trial of {tried}: {measured}.", speedup, float("nan"))
+    return Decision(before, f"back to {before} after the trial of {tried}: {measured}.", speedup, error)
