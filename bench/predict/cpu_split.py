@@ -26,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from object_store import ObjectStore  # noqa: E402
+from run_bench import configuration_command  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -72,11 +73,9 @@ def main() -> None:
     samples: list = []
     done = threading.Event()
     with ObjectStore(args.latency_ms) as store, tempfile.TemporaryDirectory() as tmp:
-        code = ("import json, sys; sys.path.insert(0, %r); import configs; from pathlib import Path; "
-                "r = configs.run(%r, %r, %d, Path(%r), **json.loads(%r)); print('RESULT ' + json.dumps(r), flush=True)"
-                % (str(HERE), args.config, store.url, args.rows, tmp + "/out", args.kwargs))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        command, env = configuration_command(args.config, store.url, args.rows, Path(tmp) / "out",
+                                             json.loads(args.kwargs))
+        run = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
 
         def sample() -> None:
             while not done.is_set():

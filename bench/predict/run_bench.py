@@ -84,16 +84,22 @@ RATIOS = [
 ]
 
 
+def configuration_command(name: str, url, rows: int, out: Path, kwargs: dict) -> tuple[list[str], dict]:
+    """The command and environment that run one configuration of ``configs.py`` in a fresh interpreter and print
+    its result as a ``RESULT {json}`` line."""
+    code = (
+        "import json, sys; sys.path.insert(0, %r); import configs; from pathlib import Path; "
+        "r = configs.run(%r, %r, %d, Path(%r), **json.loads(%r)); print('RESULT ' + json.dumps(r), flush=True)"
+        % (str(HERE), name, url, rows, str(out), json.dumps(kwargs))
+    )
+    return [sys.executable, "-c", code], {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
 def run_once(name: str, url, rows: int, workdir: Path, **kwargs) -> dict:
     """Runs one configuration in a fresh interpreter (own memory, no state shared with other runs)."""
     out = workdir / f"{name}-{len(list(workdir.iterdir()))}"
-    code = (
-        "import json, sys; sys.path.insert(0, %r); import configs; from pathlib import Path; "
-        "r = configs.run(%r, %r, %d, Path(%r), **json.loads(%r)); print('RESULT ' + json.dumps(r))"
-        % (str(HERE), name, url, rows, str(out), json.dumps(kwargs))
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    command, env = configuration_command(name, url, rows, out, kwargs)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
