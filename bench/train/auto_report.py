@@ -187,15 +187,20 @@ def run_set(fits: dict[str, frozenset]) -> tuple[list[str], dict]:
                      f" {f'{cold[0]:.2f}' if cold else '-'} |")
     if not counted:
         return [], {}
+
+    def misses(within: list[str]) -> str:
+        missed = sorted(set(out) - set(within))
+        return f"{', '.join(missed)} missed" if missed else "no misses"
+
     lines += ["", f"- auto, start-up paid (median of its runs; the first with the whole probe, the others with links"
                   f" from the cache): within 5% of the best fixed strategy in {len(within)} of {counted} settings"
-                  f" ({', '.join(sorted(set(out) - set(within))) or 'no misses'} missed).",
+                  f" ({misses(within)}).",
               f"- auto's first run of each setting alone (the whole probe): within 5% in {len(within_cold)} of"
-              f" {counted} ({', '.join(sorted(set(out) - set(within_cold))) or 'no misses'} missed)."]
+              f" {counted} ({misses(within_cold)})."]
     if any(len(v["auto_over_best_paid"]) > 3 for v in out.values()):
         lines.append(f"- the first three runs of each system alone (medians of 3): within 5% in"
                      f" {len(within_first_three)} of {counted}"
-                     f" ({', '.join(sorted(set(out) - set(within_first_three))) or 'no misses'} missed).")
+                     f" ({misses(within_first_three)}).")
     return lines, {"settings": out, "within_5pct": within, "within_5pct_first_run": within_cold,
                    "within_5pct_first_three_runs": within_first_three}
 
