@@ -102,12 +102,14 @@ def trial_candidate(new_plan: Plan, current: str, margin: float) -> str | None:
 
 
 def start_trial(kept: Decision, new_plan: Plan, current: str, tried: str, steps: int) -> Decision:
-    """The re-plan's decision ``kept`` (no switch) turned into a switch to ``tried`` for ``steps`` steps."""
+    """The re-plan's decision ``kept`` (no switch) turned into a switch to ``tried`` for ``steps`` steps; the reason
+    reads as the trial's (it is logged with the switch, where "keep" would contradict it)."""
     speedup = new_plan.candidate(current).prediction.step_seconds / new_plan.candidate(tried).prediction.step_seconds
+    why = kept.reason.removeprefix(f"keep {current}: ").rstrip(".")
     return dataclasses.replace(
         kept, switch_to=tried, predicted_speedup=speedup,
-        reason=f"{kept.reason.rstrip('.')}; {tried}, predicted {speedup:.2f}x as fast, within the trial margin: try it"
-               f" for {steps} steps and keep the faster measured.")
+        reason=f"a trial of {tried} for {steps} steps, the faster measured kept: the re-plan keeps {current} ({why}),"
+               f" and {tried} is predicted {speedup:.2f}x as fast, within the trial margin.")
 
 
 def settle_trial(before: str, before_seconds: float, tried: str, tried_seconds: float,

@@ -176,7 +176,7 @@ def test_the_replanner_tries_a_near_tie_and_keeps_the_faster(world_of_one, tried
                            excluded_storages=set, steps_left=lambda: 4)
     assert step(0.06) is None  # the activation check: NNG fits
     trial = step(0.06)
-    assert trial.switch_to == "NGG" and "try it for 2 steps" in trial.reason and not planner.finished
+    assert trial.switch_to == "NGG" and "a trial of NGG for 2 steps" in trial.reason and not planner.finished
     planner.current = "NGG"
     assert step(tried_seconds * 5) is None  # the trial's first step is not timed
     settled = step(tried_seconds)
@@ -250,7 +250,8 @@ def test_a_trial_switches_to_a_near_tie_and_keeps_the_faster_measured(replan_run
     made = [[(s["step"], s["from"], s["to"], s["reason"]) for s in r["switches"]] for r in runs]
     assert all(m == made[0] for m in made)
     first, *back = runs[0]["switches"]
-    assert (first["step"], first["from"], first["to"]) == (2, "NNG", "NGG") and "try it for 2 steps" in first["reason"]
+    assert (first["step"], first["from"], first["to"]) == (2, "NNG", "NGG")
+    assert "a trial of NGG for 2 steps" in first["reason"]
     if back:
         [back] = back
         assert (back["step"], back["from"], back["to"]) == (4, "NGG", "NNG") and "back to NNG" in back["reason"]
