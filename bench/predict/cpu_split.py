@@ -43,9 +43,10 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def cpu_seconds(roots: list[int]) -> dict[int, float]:
-    """User + system CPU seconds of every process under ``roots`` (the roots included)."""
-    kids, todo, out = _children(), list(roots), {}
+def cpu_seconds(roots: list[int], kids: dict[int, list[int]] | None = None) -> dict[int, float]:
+    """User + system CPU seconds of every process under ``roots`` (the roots included); ``kids``: the process tree
+    (:func:`_children`), read now when None."""
+    kids, todo, out = _children() if kids is None else kids, list(roots), {}
     while todo:
         pid = todo.pop()
         todo += kids.get(pid, [])
@@ -79,7 +80,9 @@ def main() -> None:
 
         def sample() -> None:
             while not done.is_set():
-                samples.append((time.perf_counter(), machine(), cpu_seconds([run.pid]), cpu_seconds([store.proc.pid])))
+                kids = _children()  # one scan of /proc for both trees: the sampling's own CPU is in what it measures
+                samples.append((time.perf_counter(), machine(), cpu_seconds([run.pid], kids),
+                                cpu_seconds([store.proc.pid], kids)))
                 time.sleep(0.1)
 
         sampler = threading.Thread(target=sample)

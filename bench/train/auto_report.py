@@ -54,6 +54,11 @@ def steps_to_pay_back(best_tokens_per_s: float, auto_tokens_per_s: float, tokens
     return (1 - within) * start_seconds / gap if gap > 0 else float("inf")
 
 
+def upper_median(values: list[float]) -> float:
+    """The median of ``values``, the upper of the two middle ones for an even count (a run that happened)."""
+    return sorted(values)[len(values) // 2]
+
+
 def links_source(run: dict) -> str:
     """Where a run of ``auto`` got its links: "cache" (stored by an earlier run, checked), "probe" or "given"."""
     first = (run.get("auto", {}).get("notes") or [""])[0]
@@ -79,7 +84,7 @@ def load(name: str) -> tuple[SettingResult, dict] | None:
         runs.append((float(run["tokens_per_s"]), auto_tokens_per_s(run), run))
     runs.sort(key=lambda x: x[0])
     own, _, median_run = runs[len(runs) // 2]
-    paid = sorted(r[1] for r in runs)[len(runs) // 2]
+    paid = upper_median([r[1] for r in runs])
     plan = median_run["auto"]
     predicted = plan.get("predicted_memory_bytes", {})
     budget = data.get("memory_budget")
@@ -149,26 +154,25 @@ def run_set(fits: dict[str, frozenset]) -> tuple[list[str], dict]:
         if not path.exists():
             continue
         rows = {r["system"]: r for r in json.loads(path.read_text())["rows"] if "error" not in r}
-        fixed = {k[len("paro_"):].upper(): float(r["tokens_per_s"]) for k, r in rows.items()
-                 if k.startswith("paro_") and r.get("tokens_per_s")}
+        fixed_rows = {k[len("paro_"):].upper(): r for k, r in rows.items()
+                      if k.startswith("paro_") and r.get("tokens_per_s")}
+        fixed = {k: float(r["tokens_per_s"]) for k, r in fixed_rows.items()}
         auto = rows.get("paro")
         if not fixed or auto is None:
             continue
         counted += 1
         best = max(fixed, key=fixed.get)
         runs = auto.get("runs", [auto])
-        paid = [auto_tokens_per_s({**r, "timed_steps_from": 1}) / fixed[best] for r in runs]
+        paid_tokens_per_s = [auto_tokens_per_s({**r, "timed_steps_from": 1}) for r in runs]
+        paid = [t / fixed[best] for t in paid_tokens_per_s]
         sources = [links_source(r) for r in runs]
         picks = [r["auto"].get("in_use") for r in runs]
-        median = sorted(paid)[len(paid) // 2]
+        median = upper_median(paid)
         cold = [p for p, w in zip(paid, sources) if w == "probe"]
         fitting = all(p in fits.get(name, {p}) for p in picks)
         # the setting as its first three runs of each system alone read (runs added later move the medians)
-        first_fixed = [sorted(x["tokens_per_s"] for x in r.get("runs", [r])[:3])
-                       for k, r in rows.items() if k.startswith("paro_") and r.get("tokens_per_s")]
-        first_best = max(v[len(v) // 2] for v in first_fixed)
-        first_paid = sorted(p * fixed[best] / first_best for p in paid[:3])
-        if first_paid[len(first_paid) // 2] >= 0.95 and fitting:
+        first_best = max(upper_median([x["tokens_per_s"] for x in r.get("runs", [r])[:3]]) for r in fixed_rows.values())
+        if upper_median([t / first_best for t in paid_tokens_per_s[:3]]) >= 0.95 and fitting:
             within_first_three.append(name)
         if median >= 0.95 and fitting:
             within.append(name)
@@ -234,7 +238,7 @@ def main() -> None:
         fitting = ", ".join(f"{k} {s.tokens_per_s[k]:.0f}" for k in sorted(s.fits, key=lambda k: -s.tokens_per_s[k]))
         budget = f"{e['budget'] / 1e6:.0f} MB" if e["budget"] else "-"
         nng = f"{s.tokens_per_s['NNG'] / s.tokens_per_s[s.best]:.2f}" if "NNG" in s.fits else "does not fit"
-        start = sorted(e["plan_seconds"])[len(e["plan_seconds"]) // 2]
+        start = upper_median(e["plan_seconds"])
         payback = steps_to_pay_back(s.tokens_per_s[s.best], e["auto_tokens_per_s"], e["tokens_per_step"], start)
         e["steps_until_within_5pct"] = payback if payback != float("inf") else None
         lines.append(f"| {s.name} | {budget} | {fitting} | {s.best} | {', '.join(map(str, e['auto_picks']))} |"

@@ -145,7 +145,9 @@ RUN_SETTINGS = {
 """The run set: ``sharding="auto"`` over runs of about 40 s against the choice set's best fixed strategy, with its
 start-up paid (``auto_report.py``'s second table)."""
 RUN_RESULTS = RESULTS / "run"
-LINK_CACHE = Path("/tmp") / "paro-train-bench" / "link-cache"
+WORK = Path("/tmp") / "paro-train-bench"
+"""Where the runs write (a folder per set, setting and system) and the link caches live."""
+LINK_CACHE = WORK / "link-cache"
 """The benchmark's link caches (``LIGHTNING_PARO_CACHE_DIR`` of its runs), one folder per setting: settings on the same
 emulated hosts differ in link rate, which a job's cache key cannot see (a real cluster's links keep their rate)."""
 MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64", "data.batch_size=1"]
@@ -223,7 +225,7 @@ def main() -> None:
         listed = args.systems.split(",") if args.systems else list(s.contenders or SYSTEMS)
         if args.fresh:
             rows = {k: v for k, v in rows.items() if k not in listed}
-        cache = LINK_CACHE / name
+        work, cache = WORK / args.set / name, LINK_CACHE / name
         os.environ["LIGHTNING_PARO_CACHE_DIR"] = str(cache)  # auto's link cache: the benchmark's own, not the user's
         if args.set == "run" and "paro" in listed:
             if "paro" not in rows:  # this setting's first run of auto probes; the later ones find its links stored
@@ -231,13 +233,13 @@ def main() -> None:
             elif not any(cache.glob("*.json")):
                 # runs added to stored ones (--more without --fresh) are later jobs on these hosts: the first run,
                 # stored, paid the whole probe; a job of auto, not counted, stores the links it would have left
-                primed = run_one("paro", s, Path("/tmp") / "paro-train-bench" / args.set / name / "prime")
+                primed = run_one("paro", s, work / "prime")
                 print(name, "link cache primed by an uncounted run of auto:", primed.get("error") or "stored",
                       flush=True)
         for system in listed * max(1, args.more):  # --more: pass after pass over the systems
             if system in rows and not (args.redo or args.more):
                 continue
-            row = run_one(system, s, Path("/tmp") / "paro-train-bench" / args.set / name / system)
+            row = run_one(system, s, work / system)
             rows[system] = with_run(rows.get(system), row) if args.more else row
             print(name, json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "final_loss", "error",
                                                            "auto_choice")}), flush=True)
