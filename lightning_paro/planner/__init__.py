@@ -10,7 +10,8 @@ defaults from ``strategy.options``); the Lightning strategy calls
 - ``phases.py``: collectives as ring phases over one link class, and their alpha-beta time (HO-Ring pipelined).
 - ``cost_model.py``: the engine's timeline, memory and traffic per strategy (:func:`predict`), the HO-Ring chunk.
 - ``choose.py``: the candidate table and the fastest strategy within the memory budget (:func:`plan`, pure).
-- ``report.py``: the plan as text (:func:`format_plan`) and the links and cluster in one line each.
+- ``report.py``: the plan as text (:func:`format_plan`) and the links and cluster in one line each; it reads
+  ``choose.py``, never the other way (``sizes.py``: byte counts as text, for both).
 - ``probe.py``: the start-up link probe (timed collectives, the alpha-beta fit, overlap with compute).
 - ``link_cache.py``: the probe's figures (and the update bandwidth) kept for the next job on the same hosts, reused
   once the probe's large gathers, timed again, confirm them.
@@ -35,7 +36,8 @@ from lightning_paro.planner.inputs import GBIT, UNUSED_LINK, Cluster, Compute, L
 from lightning_paro.planner.job import AutoConfig, plan_for_job
 from lightning_paro.planner.memory import agreed_minimum, available_host_memory, device_memory_bytes
 from lightning_paro.planner.probe import MeasuredLinks, fit_link, large_gather_bytes, overlap_from_times, probe_links
-from lightning_paro.planner.report import describe_cluster, describe_links, format_bytes, format_plan
+from lightning_paro.planner.report import describe_cluster, describe_links, format_plan
+from lightning_paro.planner.sizes import format_bytes
 from lightning_paro.planner.workload import optimizer_states_per_param, workload_from_module
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from lightning_paro.planner.cost_model import Prediction, predict_all
 from lightning_paro.planner.inputs import Cluster, Compute, Workload
-from lightning_paro.planner.report import format_bytes
+from lightning_paro.planner.sizes import format_bytes
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 
 DEFAULT_MEMORY_BUDGET = 0.7

@@ -21,7 +21,8 @@ from lightning_paro.planner.link_cache import links_for_job, store_update
 from lightning_paro.planner.measure import JobFigures, StepRecorder, agree, probe_update_bandwidth, update_key
 from lightning_paro.planner.memory import agreed_maximum, agreed_minimum, device_memory_bytes
 from lightning_paro.planner.replan import Decision, decide, replan, settle_trial, start_trial, trial_candidate
-from lightning_paro.planner.report import describe_links, format_bytes
+from lightning_paro.planner.report import describe_links
+from lightning_paro.planner.sizes import format_bytes
 from lightning_paro.planner.workload import workload_from_module
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 from lightning_paro.strategy.options import OptionError, is_count

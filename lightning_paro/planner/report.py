@@ -1,25 +1,15 @@
-"""The plan as text: the candidate table (aligned or markdown), byte counts, and one-line link and cluster
-descriptions for the log.
+"""The plan as text: the candidate table (aligned or markdown) and one-line link and cluster descriptions for the
+log. It reads the plan (``choose.py``); the planning never reads it back (byte counts as text: ``sizes.py``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+from lightning_paro.planner.choose import Plan
 from lightning_paro.planner.inputs import Cluster, Link
+from lightning_paro.planner.sizes import format_bytes
 from lightning_paro.strategy.levels import KNOWN_AS
-
-if TYPE_CHECKING:
-    from lightning_paro.planner.choose import Plan
-
-
-def format_bytes(nbytes: float) -> str:
-    """Bytes in decimal units with three significant digits, e.g. ``"13.5 GB"``, ``"612 kB"``."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def format_plan(result: Plan, markdown: bool = False) -> str:
