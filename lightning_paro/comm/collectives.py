@@ -138,6 +138,7 @@ class Communicator:
         (``comm.quantize``).
         """
         hop = self._hop(quant, scope)
+        self._check_quantized_sizes("all-gather", hop, scope, out.numel(), shard.numel())
         self._account("all_gather", out, scope, hop)
         return self._submit(lambda: self._all_gather(out, shard, scope, hop), async_op, "all_gather", scope)
 
@@ -149,6 +150,7 @@ class Communicator:
         ``error`` feedback when given (fp32, the size of the buffer the hop reduces: 1/m of ``full`` for a global
         reduce-scatter)."""
         hop = self._hop(quant, scope, op, "reduce-scatter")
+        self._check_quantized_sizes("reduce-scatter", hop, scope, full.numel(), out.numel(), error)
         self._account("reduce_scatter", full, scope, hop)
         return self._submit(lambda: self._reduce_scatter(out, full, scope, op, hop, error), async_op,
                             "reduce_scatter", scope)
@@ -160,6 +162,7 @@ class Communicator:
         ("int8"): the hop between groups is a quantized reduce-scatter (with ``error`` feedback when given, as in
         :meth:`reduce_scatter`) and all-gather (``comm.quantize``)."""
         hop = self._hop(quant, scope, op, "all-reduce")
+        self._check_quantized_sizes("all-reduce", hop, scope, tensor.numel(), None, error)
         self._account("all_reduce", tensor, scope, hop)
         return self._submit(lambda: self._all_reduce(tensor, scope, op, hop, error), async_op, "all_reduce", scope)
 
@@ -226,6 +229,23 @@ class Communicator:
         if op != "sum":
             raise ValueError(f"a quantized {what} sums")
         return self._quantized_hop
+
+    def _check_quantized_sizes(self, what: str, hop: Phase, scope: Scope, numel: int, part: int | None,
+                               error: torch.Tensor | None = None) -> None:
+        """Before a collective with a quantized hop is queued: its buffer of ``numel`` elements must split into equal
+        slices over the ranks of ``scope`` (into slices of ``part`` elements, when given), and an ``error`` buffer must
+        have the size of what the hop reduces (1/m of the buffer for a global collective); else a ``ValueError``
+        naming the size and the divisor, on the caller's thread."""
+        if hop is not self._quantized_hop:
+            return
+        topo = self.topology
+        ranks = topo.world_size if scope == "global" else topo.num_groups
+        quantize.check_split(what, numel, ranks, part)
+        hop_numel = numel // topo.group_size if scope == "global" else numel
+        if error is not None and error.numel() != hop_numel:
+            raise ValueError(f"the error-feedback buffer of a quantized {what} over {scope!r} holds {error.numel()}"
+                             f" elements; the hop between groups reduces {hop_numel} of the buffer's {numel}: give"
+                             f" it {hop_numel} fp32 elements.")
 
     def _phase(self, scope: str, hop: Phase) -> Phase:
         """The one phase of an intra or inter collective."""

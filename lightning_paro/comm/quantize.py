@@ -16,6 +16,18 @@ the rows of one tensor.
 Error feedback (for gradients): a sender keeps what quantization left out of each slice it sent and adds it to the
 same slice of its next reduction (:func:`quantize_with_feedback`), so the errors of successive steps cancel instead of
 adding up: over any number of steps, what arrived differs from what was meant by one step's rounding at most.
+
+**Non-finite values.** A block holding an inf or a NaN gets a non-finite scale and arrives all NaN (int8 has no inf),
+so the reduced gradient is non-finite wherever an exact reduction's would be, and more: a gradient scaler's inf check,
+or the user's own, sees it either way. What error feedback keeps of such a block is no rounding left out but the
+non-finite value itself, which would be added to every later send of that slice for good: the sender resets those
+entries of its error-feedback buffer to zero instead (:func:`quantize_rows_with_feedback`; no host sync), so the
+steps after a non-finite one quantize as if it had never been sent. The step itself is not skipped here: it goes ahead
+with the non-finite gradient, as it would without quantization.
+
+**Sizes.** A reduce-scatter splits its buffer into ``ranks`` equal slices, an all-gather fills ``ranks`` equal slots
+and an all-reduce is the two: a size that does not split so is a ``ValueError`` naming the size and the divisor
+(:func:`check_split`), never a tail left unreduced.
 """
 
 from __future__ import annotations
@@ -81,21 +93,33 @@ def dequantize_rows(payloads: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def quantize_rows_with_feedback(rows: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """:func:`quantize_with_feedback` for each row of the 2-D ``rows``, with ``error`` (fp32) of the same shape."""
+    """:func:`quantize_with_feedback` for each row of the 2-D ``rows``, with ``error`` (fp32) of the same shape. The
+    entries of a block sent non-finite are reset to zero in ``error``: they hold no rounding to carry over."""
     target = rows.to(torch.float32) + error
     payloads, sent = quantize_rows(target)
     torch.sub(target, sent, out=error)
+    error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     return payloads
+
+
+def check_split(what: str, numel: int, ranks: int, part: int | None = None) -> None:
+    """Raise a ``ValueError`` naming ``numel`` and ``ranks`` unless a buffer of ``numel`` elements splits into
+    ``ranks`` equal slices (of ``part`` elements, when given)."""
+    if numel % ranks != 0 or (part is not None and numel != ranks * part):
+        wanted = f"{ranks} slices of {part} elements ({ranks * part})" if part is not None else f"a multiple of {ranks}"
+        raise ValueError(f"a quantized {what} over {ranks} ranks splits its buffer into {ranks} equal slices: it"
+                         f" holds {numel} elements, which is not {wanted}. Pad the buffer to a multiple of {ranks}.")
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group, ranks: int) -> None:
     """``out`` (``ranks`` shards in rank order) from every rank's quantized ``shard``; this rank's slot too holds the
     dequantized values, so every rank holds the same. ``shard`` may be a view of ``out``."""
     s = shard.numel()
+    check_split("all-gather", out.numel(), ranks, s)
     mine = quantize(shard)
     gathered = torch.empty(ranks * mine.numel(), dtype=torch.uint8, device=mine.device)
     compat.all_gather_single(gathered, mine, group=group)
-    out[:ranks * s].view(ranks, s).copy_(dequantize_rows(gathered.view(ranks, mine.numel()), s))
+    out.view(ranks, s).copy_(dequantize_rows(gathered.view(ranks, mine.numel()), s))
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, index: int,
@@ -104,14 +128,15 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, ind
     this rank's own added exact, the sum in fp32. ``error`` (fp32, ``full``'s size): error feedback for the slices
     sent (:func:`quantize_with_feedback`); this rank's own slice is never rounded."""
     s = out.numel()
+    check_split("reduce-scatter", full.numel(), ranks, s)
     if error is not None and error.numel() != full.numel():
         raise ValueError(f"the error feedback buffer holds {error.numel()} elements, the reduced one {full.numel()}")
-    rows = full[:ranks * s].view(ranks, s)
+    rows = full.view(ranks, s)
     peers = torch.cat([rows[:index], rows[index + 1:]])
     if error is None:
         payloads = quantize_rows(peers)[0]
     else:
-        fed = error[:ranks * s].view(ranks, s)
+        fed = error.view(ranks, s)
         peer_error = torch.cat([fed[:index], fed[index + 1:]])
         payloads = quantize_rows_with_feedback(peers, peer_error)
         fed[:index], fed[index + 1:] = peer_error[:index], peer_error[index:]
@@ -132,6 +157,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, ranks: int, ind
 def all_reduce(tensor: torch.Tensor, group, ranks: int, index: int, error: torch.Tensor | None = None) -> None:
     """``tensor`` summed over the ranks: a quantized reduce-scatter (with ``error`` feedback), then a quantized
     all-gather of the sums."""
+    check_split("all-reduce", tensor.numel(), ranks)
     s = tensor.numel() // ranks
     part = torch.empty(s, dtype=tensor.dtype, device=tensor.device)
     reduce_scatter(part, tensor, group, ranks, index, error)
