@@ -29,12 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_paro.durable import fsync_dir
 from lightning_paro.strategy.flat_chunks import ChunkLoadPlanner, ChunkSavePlanner
 from lightning_paro.strategy.state_dicts import (
+    ERROR_FEEDBACK,
     apply_param_groups,
     check_keys_and_shapes,
+    error_feedback_state,
     full_optimizer_state,
     init_optimizer_state,
     model_state,
@@ -155,7 +158,11 @@ def optimizer_state_to_save(engine: PaROEngine, optimizer: Optimizer, sharded: b
             " `configure_model` return early when the layers exist.")
     engine.wait()
     if sharded:
-        return optimizer_state(engine, index, for_save=True)
+        state = optimizer_state(engine, index, for_save=True)
+        feedback = error_feedback_state(engine, index)
+        if feedback:  # each rank's own row, beside its optimizer shard
+            state[ERROR_FEEDBACK] = feedback
+        return state
     return full_optimizer_state(engine, index)
 
 
@@ -210,6 +217,9 @@ def load_sharded(engine: PaROEngine, path: Path, strict: bool, fitting: bool, we
     for i in load_opts:
         init_optimizer_state(engine, i)
         state[f"optimizer_{i}"] = optimizer_state(engine, i, for_save=False)
+        feedback = _error_feedback_to_load(engine, i, stored_shapes(metadata, f"optimizer_{i}.{ERROR_FEEDBACK}"))
+        if feedback:
+            state[f"optimizer_{i}"][ERROR_FEEDBACK] = feedback
     if not strict:
         state["state_dict"] = {k: v for k, v in state["state_dict"].items()
                                if f"state_dict.{k}" in metadata.state_dict_metadata}
@@ -224,6 +234,28 @@ def load_sharded(engine: PaROEngine, path: Path, strict: bool, fitting: bool, we
         apply_param_groups(engine, i, state[f"optimizer_{i}"]["param_groups"])
     engine.after_load()
     return torch.load(path / META_FILE, weights_only=weights_only)
+
+
+def _error_feedback_to_load(engine: PaROEngine, opt_index: int, stored: dict[str, torch.Size]) -> dict[str, Any]:
+    """The error-feedback buffers of optimizer ``opt_index`` to read from a sharded checkpoint: those stored for the
+    same world and group size (the same ``(n, L/m)`` shape: each rank reads its own row). The others are reset to
+    zero with a logged note: a rank's buffer holds what its own sends left out, which another layout's ranks did not
+    send, so it has no meaning there."""
+    wanted = error_feedback_state(engine, opt_index)
+    reset = []
+    for name, chunks in list(wanted.items()):
+        if stored.get(name) != chunks.shape:
+            found = "none stored" if name not in stored else f"stored {tuple(stored[name])}"
+            reset.append(f"{name} ({found}, this layout's {tuple(chunks.shape)})")
+            for _, _, view in chunks.chunks:
+                view.zero_()
+            del wanted[name]
+    if reset:
+        topo = engine.comm.topology
+        rank_zero_info(f"PaRO: the error feedback of the quantized gradient hop starts from zero for {len(reset)}"
+                       f" buffer(s) of optimizer {opt_index}: the checkpoint holds none for {topo.world_size} ranks"
+                       f" in {topo.num_groups} groups: {', '.join(reset[:5])}{' ...' if len(reset) > 5 else ''}.")
+    return wanted
 
 
 def export_full(ranks: Ranks, engine: PaROEngine, path: Any) -> None:

@@ -66,6 +66,31 @@ def optimizer_state(engine: PaROEngine, opt_index: int, for_save: bool) -> dict[
     return {"state": state, "param_groups": _named_param_groups(engine, opt_index)}
 
 
+ERROR_FEEDBACK = "paro_error_feedback"
+"""The key, in an optimizer's sharded state, of the error-feedback buffers of its flat groups (``inter_quant`` with
+``error_feedback``): one per flat group, keyed by its first parameter's name, stored as an ``(n, L/m)`` tensor whose
+row r is global rank r's buffer. torch's own optimizer format (:func:`names_to_indices`) leaves it out."""
+
+
+def error_feedback_state(engine: PaROEngine, opt_index: int) -> dict[str, FlatChunks]:
+    """The error-feedback buffers of the optimizer's flat groups, each this rank's row of an ``(n, L/m)`` tensor
+    (:data:`ERROR_FEEDBACK`): every rank writes and reads its own row, as it does its optimizer shard."""
+    out: dict[str, FlatChunks] = {}
+    for group in engine.optimizers[opt_index].param_groups:
+        for master in group["params"]:
+            f = engine.flat_of(master)
+            if f.quant_error is not None:
+                out[f.slots[0].name] = _own_row(f.quant_error, f.comm.topology)
+    return out
+
+
+def _own_row(buffer: torch.Tensor, topology) -> FlatChunks:
+    """``buffer`` as row ``topology.rank`` of a ``(world_size, buffer.numel())`` tensor."""
+    width, rank = buffer.numel(), topology.rank
+    return FlatChunks.of(buffer, rank * width, 0, torch.Size((topology.world_size, width)),
+                         (rank * width, (rank + 1) * width))
+
+
 def init_optimizer_state(engine: PaROEngine, opt_index: int) -> None:
     """Create the optimizer's state tensors (a step with zero gradients and learning rate 0), so a checkpoint can be
     read into them; the parameters do not change."""
