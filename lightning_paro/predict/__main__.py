@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -30,7 +29,7 @@ def status_report(output_dir: Path, ledger_location: Optional[str], job: Optiona
         if ledger.job_shape() is None:
             raise FileNotFoundError(f"The ledger at {ledger.display_location} holds no job named {ledger.job!r}.")
         progress = read_progress(ledger)
-        now = time.time()
+        now = ledger.now()  # the clock the workers' heartbeats are stamped with
         workers = [
             {"worker": owner, "host": host, "pid": pid, "seen_s_ago": round(now - last_seen, 1)}
             for owner, host, pid, _, last_seen in ledger.workers()

@@ -30,8 +30,9 @@ class ElasticPredictConfig:
     """Name of the column holding each row's dataset index (always written)."""
     id_column: Optional[str] = None
     """Key of a per-sample id in the dataset's samples (dict samples) to copy into the output."""
-    lease_ttl_s: float = 60.0
-    """Seconds a lease lives without a heartbeat; a dead or hung worker's shards move after this."""
+    lease_ttl_s: float = 10.0
+    """Seconds a lease lives without a heartbeat (on the ledger database's clock); a dead or hung worker's shards
+    move after this (a dead worker's on the same machine at once)."""
     heartbeat_interval_s: Optional[float] = None
     """Seconds between lease renewals; default: a quarter of lease_ttl_s."""
     stall_timeout_s: float = 600.0
@@ -48,6 +49,11 @@ class ElasticPredictConfig:
     one thread when it does not (rows bound by CPU); see ``FetchTuner``. A number fixes it."""
     row_retries: int = 1
     """Retries of a failing row (dataset) or batch (predict_step) before it is bisected and reported."""
+    unit_retries: int = 2
+    """Retries of a source unit (a file, a row group, an object) that cannot be opened or read, before its rows fail
+    together with the cause."""
+    unit_retry_backoff_s: float = 0.5
+    """Seconds before a unit's first retry; each next one waits twice as long."""
     max_failed_rows: int = 0
     """Error budget: the job fails once more rows than this were isolated as poison."""
     writer_queue_size: int = 8
@@ -68,6 +74,9 @@ class ElasticPredictConfig:
             raise ValueError("lease_ttl_s > 0, max_attempts >= 1, row_retries >= 0 and max_failed_rows >= 0 are required")
         if self.fetch_threads is not None and (isinstance(self.fetch_threads, bool) or self.fetch_threads < 1):
             raise ValueError(f"fetch_threads must be None (chosen automatically) or at least 1, got {self.fetch_threads!r}")
+        if self.unit_retries < 0 or self.unit_retry_backoff_s < 0:
+            raise ValueError(f"unit_retries and unit_retry_backoff_s must be >= 0, got {self.unit_retries} and "
+                             f"{self.unit_retry_backoff_s}")
         if self.writer_queue_size < 1:
             raise ValueError("writer_queue_size must be at least 1")
 

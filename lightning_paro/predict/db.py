@@ -39,10 +39,23 @@ class Dialect:
     """``"sqlite"`` or ``"postgres"``."""
     placeholder: str
     """The parameter marker the driver expects."""
+    now: str
+    """The database's clock in Unix seconds, as an SQL expression: every lease time is read and written with it, so
+    workers whose own clocks disagree still agree on when a lease expires."""
 
 
-SQLITE = Dialect(name="sqlite", placeholder="?")
-POSTGRES = Dialect(name="postgres", placeholder="%s")
+SQLITE = Dialect(
+    name="sqlite",
+    placeholder="?",
+    # the clock of the process that runs the statement; SQLite serves one machine, so every writer reads one clock
+    now="((julianday('now') - 2440587.5) * 86400.0)",
+)
+POSTGRES = Dialect(
+    name="postgres",
+    placeholder="%s",
+    # the server's clock, at the start of the (short) transaction
+    now="CAST(EXTRACT(EPOCH FROM now()) AS DOUBLE PRECISION)",
+)
 
 # Arbitrary constant key for the PostgreSQL advisory lock of transactions not scoped to one job (creating the
 # tables: concurrent CREATE TABLE IF NOT EXISTS can collide in PostgreSQL's catalog).

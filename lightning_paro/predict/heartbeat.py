@@ -1,4 +1,5 @@
-"""The background thread that renews this worker's leases while it makes progress."""
+"""The background thread that renews this worker's leases while it makes progress, and hands on at once the leases
+of a worker of the same machine whose process has ended."""
 
 from __future__ import annotations
 
@@ -80,6 +81,11 @@ class Heartbeat(threading.Thread):
             return
         try:
             while not self.stopped.wait(self.interval_s):
+                try:
+                    # a worker of this machine that died hands its shards on now, not when its leases expire
+                    ledger.reclaim_dead_neighbours()
+                except Exception as exc:  # the renewal below reports an unreachable ledger
+                    self.error = exc
                 if self.clock.idle_for() > self.stall_timeout_s:
                     if not self.stalled:
                         log.warning(

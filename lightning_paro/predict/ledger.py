@@ -5,6 +5,11 @@ Shards are half-open row ranges ``[start_row, end_row)`` of the dataset's index 
 output file is on disk), ``poisoned`` (its single row crashed its worker too many times) or
 ``split`` (replaced by two halves after repeated failures, so a row that kills workers is isolated
 by bisection instead of sinking its whole shard).
+
+Every time in the ledger is the database's (``Dialect.now``): a lease's expiry is written and compared on one clock,
+so a worker whose own clock is off never takes a live lease or loses its own. A lease handed back gracefully
+(``release``) is not an attempt; one that expired, or whose dead worker's process was found gone
+(``reclaim``, ``reclaim_dead_neighbours``), is.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from enum import Enum
 from typing import Optional, Sequence, Union
 
 from lightning_paro.predict.db import POSTGRES, Database
+from lightning_paro.predict.processes import local_process_space, process_gone, process_started
 from lightning_paro.predict.ledger_tables import (  # the states and ShardRecord: imported through here too
     COMMITTED,
     LAST_SCHEMA_OBJECT,
@@ -49,7 +55,7 @@ class Lease:
     end_row: int
     """Row index one past the shard's last row."""
     attempt: int
-    """How many times this shard has been leased, this lease included."""
+    """This lease and the earlier ones that ended in a failure (not those handed back gracefully)."""
     speculative: bool
     """True when this is a tail duplicate of a shard another worker still holds."""
 
@@ -98,13 +104,15 @@ class Ledger:
     Args:
         location: a SQLite file path or a ``postgresql://`` URL.
         job: the job's name; several jobs can share one PostgreSQL database.
-        clock: the time source (Unix seconds); tests inject a fake one.
+        clock: this process's own clock (Unix seconds), for pacing local work such as how often a worker reads the
+            progress. It is never compared with a time in the ledger: those are all the database's (``now``).
     """
 
     def __init__(self, location: str, job: str, clock=time.time) -> None:
         self.db = Database(location)
         self.job = job
         self.clock = clock
+        self._now = self.db.dialect.now
         try:
             with self.db.transaction(None) as tx:
                 if self.db.dialect is POSTGRES and tx.fetchone(f"SELECT to_regclass('{LAST_SCHEMA_OBJECT}')")[0]:
@@ -156,8 +164,8 @@ class Ledger:
                     )
                 return False
             tx.execute(
-                "INSERT INTO paro_predict_jobs (job, num_rows, shard_size, created_at) VALUES (?, ?, ?, ?)",
-                (self.job, num_rows, shard_size, self.clock()),
+                f"INSERT INTO paro_predict_jobs (job, num_rows, shard_size, created_at) VALUES (?, ?, ?, {self._now})",
+                (self.job, num_rows, shard_size),
             )
             if inputs is not None:
                 tx.execute("INSERT INTO paro_predict_inputs (job, units) VALUES (?, ?)", (self.job, json.dumps(inputs)))
@@ -210,14 +218,30 @@ class Ledger:
         rows = self.db.query("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = ?", (self.job,))
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
-    def register_worker(self, owner: str, host: str, pid: int) -> None:
-        now = self.clock()
+    def now(self) -> float:
+        """The database's clock (Unix seconds): the time every lease expiry is measured against."""
+        return float(self.db.query(f"SELECT {self._now}")[0][0])
+
+    def register_worker(self, owner: str, host: str, pid: int, process_space: Optional[str] = None) -> None:
+        """Records a worker and its process; ``process_space`` defaults to this process's (``local_process_space``).
+
+        ``pid`` runs in that space; where it is this process's space, its start time is recorded too, so that a
+        worker in the same space can tell the process has ended (``reclaim_dead_neighbours``).
+        """
+        local = local_process_space()
+        space = local if process_space is None else process_space
+        started = process_started(pid) if space is not None and space == local else None
         with self.db.transaction(self.job) as tx:
-            tx.execute("DELETE FROM paro_predict_workers WHERE job = ? AND owner = ?", (self.job, owner))
+            for table in ("paro_predict_workers", "paro_predict_processes"):
+                tx.execute(f"DELETE FROM {table} WHERE job = ? AND owner = ?", (self.job, owner))
             tx.execute(
                 "INSERT INTO paro_predict_workers (job, owner, host, pid, started_at, last_seen) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (self.job, owner, host, pid, now, now),
+                f"VALUES (?, ?, ?, ?, {self._now}, {self._now})",
+                (self.job, owner, host, pid),
+            )
+            tx.execute(
+                "INSERT INTO paro_predict_processes (job, owner, process_space, pid, pid_started) VALUES (?, ?, ?, ?, ?)",
+                (self.job, owner, space, pid, started),
             )
 
     # ---- leasing ------------------------------------------------------------------------------
@@ -231,12 +255,21 @@ class Ledger:
     ) -> Union[Lease, LeaseWait]:
         """Hands ``owner`` the first free shard (todo, or leased with an expired lease).
 
-        A shard whose ``max_attempts`` leases all ended without a commit is split in two (or, at a
-        single row, poisoned) instead of being handed out again. With nothing free and
-        ``speculate_after_s`` set, the oldest lease held by another worker for longer than that is
-        shared speculatively; whichever worker commits first wins.
+        A shard whose ``max_attempts`` leases all ended in a failure (expired or reclaimed; a graceful release does
+        not count) is split in two (or, at a single row, poisoned) instead of being handed out again. With nothing
+        free and ``speculate_after_s`` set, the oldest lease held by another worker for longer than that is shared
+        speculatively; whichever worker commits first wins. With nothing free, the leases of workers in this
+        process space whose process has ended are reclaimed first (``reclaim_dead_neighbours``).
         """
-        now = self.clock()
+        outcome = self._lease(owner, lease_ttl_s, max_attempts, speculate_after_s)
+        if outcome is LeaseWait.WAIT and self.reclaim_dead_neighbours():
+            outcome = self._lease(owner, lease_ttl_s, max_attempts, speculate_after_s)
+        return outcome
+
+    def _lease(
+        self, owner: str, lease_ttl_s: float, max_attempts: int, speculate_after_s: Optional[float]
+    ) -> Union[Lease, LeaseWait]:
+        now = self._now
         # SQLite: the transaction holds the file's write lock. PostgreSQL: workers do not queue for one lock; each
         # candidate row is locked as it is read and rows other workers are leasing right now are skipped
         lock_rows = " FOR UPDATE SKIP LOCKED" if self.db.dialect is POSTGRES else ""
@@ -251,9 +284,10 @@ class Ledger:
                 )
                 expired = tx.fetchone(
                     "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
-                    "WHERE job = ? AND state = ? AND lease_expires < ? AND (spec_owner IS NULL OR spec_expires < ?) "
+                    f"WHERE job = ? AND state = ? AND lease_expires < {now} "
+                    f"AND (spec_owner IS NULL OR spec_expires < {now}) "
                     "ORDER BY start_row, shard_id LIMIT 1" + lock_rows,
-                    (self.job, LEASED, now, now),
+                    (self.job, LEASED),
                 )
                 candidates = [r for r in (todo, expired) if r is not None]
                 if not candidates:
@@ -264,25 +298,27 @@ class Ledger:
                     self._isolate(tx, shard_id, start, end, attempts)
                     continue
                 tx.execute(
-                    "UPDATE paro_predict_shards SET state = ?, owner = ?, lease_expires = ?, leased_at = ?, "
-                    "attempts = attempts + 1, spec_owner = NULL, spec_expires = NULL WHERE job = ? AND shard_id = ?",
-                    (LEASED, owner, now + lease_ttl_s, now, self.job, shard_id),
+                    f"UPDATE paro_predict_shards SET state = ?, owner = ?, lease_expires = {now} + ?, "
+                    f"leased_at = {now}, attempts = attempts + 1, spec_owner = NULL, spec_expires = NULL "
+                    "WHERE job = ? AND shard_id = ?",
+                    (LEASED, owner, lease_ttl_s, self.job, shard_id),
                 )
                 return Lease(shard_id, start, end, attempts + 1, speculative=False)
 
             if speculate_after_s is not None:
                 row = tx.fetchone(
                     "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
-                    "WHERE job = ? AND state = ? AND owner <> ? AND lease_expires >= ? AND leased_at <= ? "
-                    "AND (spec_owner IS NULL OR spec_expires < ?) ORDER BY leased_at, shard_id LIMIT 1" + lock_rows,
-                    (self.job, LEASED, owner, now, now - speculate_after_s, now),
+                    f"WHERE job = ? AND state = ? AND owner <> ? AND lease_expires >= {now} "
+                    f"AND leased_at <= {now} - ? AND (spec_owner IS NULL OR spec_expires < {now}) "
+                    "ORDER BY leased_at, shard_id LIMIT 1" + lock_rows,
+                    (self.job, LEASED, owner, speculate_after_s),
                 )
                 if row is not None:
                     shard_id, start, end, attempts = (int(v) for v in row)
                     tx.execute(
-                        "UPDATE paro_predict_shards SET spec_owner = ?, spec_expires = ? "
+                        f"UPDATE paro_predict_shards SET spec_owner = ?, spec_expires = {now} + ? "
                         "WHERE job = ? AND shard_id = ?",
-                        (owner, now + lease_ttl_s, self.job, shard_id),
+                        (owner, lease_ttl_s, self.job, shard_id),
                     )
                     return Lease(shard_id, start, end, attempts, speculative=True)
 
@@ -324,46 +360,81 @@ class Ledger:
 
     def renew(self, owner: str, lease_ttl_s: float) -> int:
         """Pushes forward the expiry of every lease ``owner`` holds; returns how many."""
-        now = self.clock()
+        now = self._now
         with self.db.transaction(self.job, exclusive=False) as tx:  # row locks suffice
             renewed = tx.execute(
-                "UPDATE paro_predict_shards SET lease_expires = ? WHERE job = ? AND owner = ? AND state = ?",
-                (now + lease_ttl_s, self.job, owner, LEASED),
+                f"UPDATE paro_predict_shards SET lease_expires = {now} + ? WHERE job = ? AND owner = ? AND state = ?",
+                (lease_ttl_s, self.job, owner, LEASED),
             )
             renewed += tx.execute(
-                "UPDATE paro_predict_shards SET spec_expires = ? WHERE job = ? AND spec_owner = ? AND state = ?",
-                (now + lease_ttl_s, self.job, owner, LEASED),
+                f"UPDATE paro_predict_shards SET spec_expires = {now} + ? WHERE job = ? AND spec_owner = ? AND state = ?",
+                (lease_ttl_s, self.job, owner, LEASED),
             )
             tx.execute(
-                "UPDATE paro_predict_workers SET last_seen = ? WHERE job = ? AND owner = ?", (now, self.job, owner)
+                f"UPDATE paro_predict_workers SET last_seen = {now} WHERE job = ? AND owner = ?", (self.job, owner)
             )
         return max(renewed, 0)
 
     def release(self, owner: str) -> None:
-        """Expires ``owner``'s leases at once so other workers take them without waiting (clean shutdown)."""
-        now = self.clock()
+        """Hands ``owner``'s leases back at once, as a graceful stop (scale-down, SIGTERM, a supervisor stopping a
+        replica): its shards are todo again and the lease is not counted as an attempt, so releases never split a
+        shard. Use ``reclaim`` for a worker that died."""
         with self.db.transaction(self.job) as tx:
             tx.execute(
-                "UPDATE paro_predict_shards SET lease_expires = ? WHERE job = ? AND owner = ? AND state = ?",
-                (now - 1.0, self.job, owner, LEASED),
+                "UPDATE paro_predict_shards SET state = ?, owner = NULL, lease_expires = NULL, leased_at = NULL, "
+                "attempts = attempts - 1 WHERE job = ? AND owner = ? AND state = ?",
+                (TODO, self.job, owner, LEASED),
             )
+            self._drop_speculation(tx, owner)
+
+    def reclaim(self, owner: str) -> None:
+        """Expires the leases of ``owner``, a worker that died, at once: other workers take its shards without waiting
+        for the expiry, and each lease counts as an attempt (a row that kills its workers is still isolated)."""
+        with self.db.transaction(self.job) as tx:
             tx.execute(
-                "UPDATE paro_predict_shards SET spec_owner = NULL, spec_expires = NULL "
-                "WHERE job = ? AND spec_owner = ? AND state = ?",
+                f"UPDATE paro_predict_shards SET lease_expires = {self._now} - 1 "
+                "WHERE job = ? AND owner = ? AND state = ?",
                 (self.job, owner, LEASED),
             )
+            self._drop_speculation(tx, owner)
+
+    def _drop_speculation(self, tx, owner: str) -> None:
+        tx.execute(
+            "UPDATE paro_predict_shards SET spec_owner = NULL, spec_expires = NULL "
+            "WHERE job = ? AND spec_owner = ? AND state = ?",
+            (self.job, owner, LEASED),
+        )
+
+    def reclaim_dead_neighbours(self) -> list[str]:
+        """Reclaims the live leases of workers in this process's space (same boot and pid namespace) whose process
+        has ended; returns their names. Workers elsewhere are left to their leases' expiry."""
+        space = local_process_space()
+        if space is None:
+            return []
+        rows = self.db.query(
+            "SELECT DISTINCT p.owner, p.pid, p.pid_started FROM paro_predict_processes p "
+            "JOIN paro_predict_shards s ON s.job = p.job "
+            f"AND ((s.owner = p.owner AND s.lease_expires >= {self._now}) "
+            f"OR (s.spec_owner = p.owner AND s.spec_expires >= {self._now})) "
+            "WHERE p.job = ? AND p.process_space = ? AND s.state = ?",
+            (self.job, space, LEASED),
+        )
+        dead = [owner for owner, pid, started in rows if process_gone(int(pid), started)]
+        for owner in dead:
+            log.warning("worker %s of job %s is gone: its leases are taken over now", owner, self.job)
+            self.reclaim(owner)
+        return dead
 
     # ---- completion ---------------------------------------------------------------------------
 
     def commit(self, shard_id: int, owner: str, rows_written: int, rows_failed: int, file: str) -> CommitResult:
         """Marks a shard committed once its file is durably on disk. The first commit wins."""
-        now = self.clock()
         with self.db.transaction(self.job, exclusive=False) as tx:  # row locks suffice
             changed = tx.execute(
                 "UPDATE paro_predict_shards SET state = ?, rows_written = ?, rows_failed = ?, file = ?, "
-                "committed_at = ?, committed_by = ?, spec_owner = NULL WHERE job = ? AND shard_id = ? "
+                f"committed_at = {self._now}, committed_by = ?, spec_owner = NULL WHERE job = ? AND shard_id = ? "
                 "AND state IN (?, ?)",
-                (COMMITTED, rows_written, rows_failed, file, now, owner, self.job, shard_id, TODO, LEASED),
+                (COMMITTED, rows_written, rows_failed, file, owner, self.job, shard_id, TODO, LEASED),
             )
             if changed == 1:
                 return CommitResult.COMMITTED
@@ -407,3 +478,9 @@ class Ledger:
             (self.job,),
         )
         return [(r[0], r[1], int(r[2]), float(r[3]), float(r[4])) for r in rows]
+
+    def stored_inputs(self) -> Optional[list]:
+        """The job's source units as stored when it was created (``[[id, rows, fingerprint], ...]``), or None (no
+        job yet, or a job over a dataset's index space): what a joining worker takes instead of listing them."""
+        rows = self.db.query("SELECT units FROM paro_predict_inputs WHERE job = ?", (self.job,))
+        return json.loads(rows[0][0]) if rows else None

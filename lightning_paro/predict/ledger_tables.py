@@ -58,9 +58,19 @@ SCHEMA = (
     # order, the leased ones) through this index, so their cost does not grow with the shards already committed
     """CREATE INDEX IF NOT EXISTS paro_predict_shards_by_state
         ON paro_predict_shards (job, state, start_row, shard_id)""",
+    # the process of each worker: a worker in the same process space (boot id and pid namespace) that finds it gone
+    # hands its leases on at once (lightning_paro.predict.processes); a table of its own, so older ledgers still open
+    """CREATE TABLE IF NOT EXISTS paro_predict_processes (
+        job TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        process_space TEXT,
+        pid BIGINT NOT NULL,
+        pid_started BIGINT,
+        PRIMARY KEY (job, owner)
+    )""",
 )
 
-LAST_SCHEMA_OBJECT = "paro_predict_shards_by_state"
+LAST_SCHEMA_OBJECT = "paro_predict_processes"
 """Created last: where it exists, the whole schema does."""
 SHARD_INSERT_COLUMNS = ("job", "shard_id", "start_row", "end_row", "state", "attempts")
 """The columns a new shard is inserted with."""
@@ -81,9 +91,12 @@ class ShardRecord:
     owner: Optional[str]
     """The worker holding (or last holding) the primary lease."""
     lease_expires: Optional[float]
-    """When the primary lease runs out (Unix seconds)."""
+    """When the primary lease runs out (Unix seconds on the database's clock)."""
+    leased_at: Optional[float]
+    """When the primary lease was handed out (Unix seconds on the database's clock)."""
     attempts: int
-    """Number of primary leases handed out."""
+    """Primary leases that ended without a commit because their worker died or stopped renewing (an expired or
+    reclaimed lease), plus the one held now; a lease handed back gracefully is not counted."""
     rows_written: Optional[int]
     """Rows in the committed file."""
     rows_failed: Optional[int]
@@ -93,7 +106,7 @@ class ShardRecord:
     error: Optional[str]
     """Why a shard was poisoned."""
     committed_at: Optional[float]
-    """When it was committed (Unix seconds)."""
+    """When it was committed (Unix seconds on the database's clock)."""
     committed_by: Optional[str]
     """The worker whose commit won."""
 

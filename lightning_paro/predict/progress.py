@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -30,11 +31,17 @@ class JobProgress:
     retries: int
     """Leases beyond the first, over all shards (redos after crashes, hangs and expiries)."""
     active_workers: int
-    """Workers holding a live lease right now."""
+    """Workers holding a live lease right now (those presumed dead left out)."""
     rows_per_s: Optional[float]
     """Committed rows per second over the recent window, None before there is enough to measure."""
     eta_s: Optional[float]
-    """Seconds to completion at that speed."""
+    """Seconds to completion at that speed; shards waiting on a dead worker count from when they come free."""
+    waiting_shards: int = 0
+    """Leased shards whose worker stopped renewing (dead or hung): nobody works on them until their lease expires."""
+    waiting_rows: int = 0
+    """Rows of those shards."""
+    waiting_free_in_s: Optional[float] = None
+    """Seconds until the last of those shards can be leased again (0 once all their leases expired)."""
 
     @property
     def fraction(self) -> float:
@@ -54,6 +61,8 @@ class JobProgress:
             f"{self.done_rows:,}/{self.total_rows:,} rows ({100 * self.fraction:.1f}%), {speed}, ETA {eta}, "
             f"shards {self.committed_shards}/{self.total_shards} committed, {self.leased_shards} leased, "
             f"{self.active_workers} workers, {self.retries} retries, {self.failed_rows} failed rows"
+            + (f", {self.waiting_shards} shard{'s' if self.waiting_shards > 1 else ''} waiting on dead workers "
+               f"(free in {_duration(self.waiting_free_in_s)})" if self.waiting_shards else "")
         )
 
 
@@ -65,8 +74,14 @@ def _duration(seconds: float) -> str:
 
 
 def read_progress(ledger: Ledger, now: Optional[float] = None, window_s: float = 60.0) -> JobProgress:
-    """The job's progress; speed is measured over the last ``window_s`` seconds of commits."""
-    now = ledger.clock() if now is None else now
+    """The job's progress; speed is measured over the last ``window_s`` seconds of commits.
+
+    ``now`` is a time on the database's clock (``Ledger.now``, the default), like every time in the ledger. A leased
+    shard waits on a dead worker once its worker has been silent for longer than its lease has left (its lease ran
+    out, or is past half its length since the last renewal: a live worker renews at least every quarter of it by
+    default); the ETA then counts that shard from when its lease runs out, redone by one worker.
+    """
+    now = ledger.now() if now is None else now
     shape = ledger.job_shape()
     total_rows = shape[0] if shape else 0
     all_shards = ledger.shards()
@@ -77,7 +92,12 @@ def read_progress(ledger: Ledger, now: Optional[float] = None, window_s: float =
     leased = [s for s in shards if s.state == LEASED]
     done_rows = sum(s.num_rows for s in committed) + sum(s.num_rows for s in poisoned)
     failed_rows = sum(s.rows_failed or 0 for s in committed) + sum(s.num_rows for s in poisoned)
-    active = {s.owner for s in leased if s.lease_expires is not None and s.lease_expires >= now}
+    last_seen = {owner: seen for owner, _, _, _, seen in ledger.workers()}
+    waiting = [s for s in leased if _silent_for(s, last_seen, now) > (s.lease_expires or now) - now]
+    waiting_ids = {s.shard_id for s in waiting}
+    active = {s.owner for s in leased
+              if s.shard_id not in waiting_ids and s.lease_expires is not None and s.lease_expires >= now}
+    free_in = max((max(0.0, (s.lease_expires or now) - now) for s in waiting), default=None)
 
     recent = [s for s in committed if s.committed_at is not None and s.committed_at >= now - window_s]
     rate = None
@@ -91,6 +111,10 @@ def read_progress(ledger: Ledger, now: Optional[float] = None, window_s: float =
             rate = sum(s.num_rows for s in recent) / span
     remaining = total_rows - done_rows
     eta = remaining / rate if rate else (0.0 if remaining == 0 else None)
+    if eta is not None and rate and waiting:
+        # the job cannot end before the largest waiting shard comes free and one worker redoes it
+        per_worker = rate / max(len(active), 1)
+        eta = max(eta, free_in + max(s.num_rows for s in waiting) / per_worker)
     return JobProgress(
         total_rows=total_rows,
         done_rows=done_rows,
@@ -103,7 +127,16 @@ def read_progress(ledger: Ledger, now: Optional[float] = None, window_s: float =
         active_workers=len(active),
         rows_per_s=rate,
         eta_s=eta,
+        waiting_shards=len(waiting),
+        waiting_rows=sum(s.num_rows for s in waiting),
+        waiting_free_in_s=free_in,
     )
+
+
+def _silent_for(shard, last_seen: dict, now: float) -> float:
+    """Seconds since the shard's worker last renewed it (or leased it, if later)."""
+    renewed = max(t for t in (last_seen.get(shard.owner), shard.leased_at, -math.inf) if t is not None)
+    return now - renewed
 
 
 def wait_for_completion(ledger: Ledger, timeout_s: float, poll_s: float = 0.2) -> JobProgress:

@@ -61,8 +61,9 @@ def run_replicas(
     ``target`` builds its Trainer with ``ElasticPredict(worker_name=context.worker_name, ...)`` and calls
     ``trainer.predict``; all replicas share the job's ledger, so they split the shards between them.
     A replica that dies is started again (up to ``max_restarts`` times per slot). With ``ledger`` and
-    ``job`` given, the dead replica's leases are released at once, so its shard is re-leased without
-    waiting for the lease to expire.
+    ``job`` given, the dead replica's leases are reclaimed at once (each counts as an attempt: it died), so its
+    shard is re-leased without waiting for the lease to expire; replicas this supervisor stops itself (when it
+    fails or is interrupted) hand their leases back gracefully, not counted as attempts.
     """
     if replicas_per_device < 1 or not devices:
         raise ValueError("replicas_per_device must be >= 1 and devices non-empty")
@@ -71,6 +72,15 @@ def run_replicas(
     slots = [(slot, device) for slot, device in enumerate(d for d in devices for _ in range(replicas_per_device))]
     report = ReplicaReport(restarts={slot: 0 for slot, _ in slots})
     running: dict = {}
+
+    def hand_back(worker_name: str, died: bool) -> None:
+        if ledger is None or job is None:
+            return
+        handle = Ledger(ledger, job)
+        try:
+            handle.reclaim(worker_name) if died else handle.release(worker_name)
+        finally:
+            handle.close()
 
     def start(slot: int, device: str) -> None:
         restart = report.restarts[slot]
@@ -93,12 +103,7 @@ def run_replicas(
                     report.exit_codes[slot] = 0
                     continue
                 log.warning("replica %d on %s exited with %s", slot, context.device, proc.exitcode)
-                if ledger is not None and job is not None:
-                    released = Ledger(ledger, job)
-                    try:
-                        released.release(context.worker_name)
-                    finally:
-                        released.close()
+                hand_back(context.worker_name, died=True)
                 if report.restarts[slot] >= max_restarts:
                     report.exit_codes[slot] = proc.exitcode
                     raise ReplicaFailedError(
@@ -109,8 +114,14 @@ def run_replicas(
                 report.restarts[slot] += 1
                 start(slot, context.device)
     finally:
-        for proc, _ in running.values():
-            if proc.is_alive():
+        for proc, context in running.values():
+            stopped_here = proc.is_alive()
+            if stopped_here:
                 proc.kill()
             proc.join(timeout=30)
+            if stopped_here:
+                try:
+                    hand_back(context.worker_name, died=False)
+                except Exception as exc:  # the ledger may be what failed: the leases then expire
+                    log.warning("could not hand back the leases of replica %d: %s", context.slot, exc)
     return report

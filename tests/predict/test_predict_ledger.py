@@ -17,18 +17,11 @@ from lightning_paro.predict.ledger import (
     Ledger,
     LeaseWait,
 )
+from ledger_time import pass_time
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(location, job, clock=None) -> Ledger:
-    return Ledger(location, job, clock=clock or FakeClock())
+def make(location, job) -> Ledger:
+    return Ledger(location, job)
 
 
 def test_ensure_job_creates_shards_once_and_rejects_a_different_shape(ledger_location, job_name):
@@ -51,8 +44,7 @@ def test_jobs_are_isolated_from_each_other(ledger_location, job_name):
 
 
 def test_leases_are_exclusive_until_they_expire(ledger_location, job_name):
-    clock = FakeClock()
-    ledger = make(ledger_location, job_name, clock)
+    ledger = make(ledger_location, job_name)
     ledger.ensure_job(4, 2)
     first = ledger.lease("a", lease_ttl_s=10)
     second = ledger.lease("b", lease_ttl_s=10)
@@ -60,9 +52,9 @@ def test_leases_are_exclusive_until_they_expire(ledger_location, job_name):
     assert (first.start_row, second.start_row) == (0, 2)
     assert ledger.lease("c", lease_ttl_s=10) is LeaseWait.WAIT
     # a heartbeat keeps a's lease alive, b goes silent
-    clock.now += 8
+    pass_time(ledger, 8)
     assert ledger.renew("a", lease_ttl_s=10) == 1
-    clock.now += 5
+    pass_time(ledger, 5)
     taken = ledger.lease("c", lease_ttl_s=10)
     assert isinstance(taken, Lease)
     assert (taken.shard_id, taken.attempt) == (second.shard_id, 2)
@@ -70,11 +62,10 @@ def test_leases_are_exclusive_until_they_expire(ledger_location, job_name):
 
 
 def test_first_commit_wins_and_done_is_reported(ledger_location, job_name):
-    clock = FakeClock()
-    ledger = make(ledger_location, job_name, clock)
+    ledger = make(ledger_location, job_name)
     ledger.ensure_job(2, 2)
     lease = ledger.lease("a", lease_ttl_s=1)
-    clock.now += 5  # a hangs, its lease expires, b redoes the shard
+    pass_time(ledger, 5)  # a hangs, its lease expires, b redoes the shard
     redo = ledger.lease("b", lease_ttl_s=1)
     assert redo.shard_id == lease.shard_id
     assert ledger.commit(lease.shard_id, "b", 2, 0, "part.parquet") is CommitResult.COMMITTED
@@ -85,8 +76,7 @@ def test_first_commit_wins_and_done_is_reported(ledger_location, job_name):
 
 
 def test_repeated_failures_split_the_shard_down_to_a_poisoned_row(ledger_location, job_name):
-    clock = FakeClock()
-    ledger = make(ledger_location, job_name, clock)
+    ledger = make(ledger_location, job_name)
     ledger.ensure_job(2, 2)
     bad_row = 1
     for _ in range(20):
@@ -94,7 +84,7 @@ def test_repeated_failures_split_the_shard_down_to_a_poisoned_row(ledger_locatio
         if lease is LeaseWait.DONE:
             break
         if lease.start_row <= bad_row < lease.end_row:
-            clock.now += 2  # the worker dies on the bad row: the lease just expires
+            pass_time(ledger, 2)  # the worker dies on the bad row: the lease just expires
         else:
             assert ledger.commit(lease.shard_id, "w", lease.end_row - lease.start_row, 0, "f") is CommitResult.COMMITTED
     states = {(s.start_row, s.end_row): s.state for s in ledger.shards()}
@@ -105,25 +95,23 @@ def test_repeated_failures_split_the_shard_down_to_a_poisoned_row(ledger_locatio
 
 
 def test_commit_of_a_split_shard_is_superseded(ledger_location, job_name):
-    clock = FakeClock()
-    ledger = make(ledger_location, job_name, clock)
+    ledger = make(ledger_location, job_name)
     ledger.ensure_job(4, 4)
     stale = ledger.lease("a", lease_ttl_s=1, max_attempts=1)
-    clock.now += 2
+    pass_time(ledger, 2)
     child = ledger.lease("b", lease_ttl_s=1, max_attempts=1)  # splits the parent
     assert (child.start_row, child.end_row) == (0, 2)
     assert ledger.commit(stale.shard_id, "a", 4, 0, "f") is CommitResult.SUPERSEDED
 
 
 def test_tail_shards_are_speculatively_shared(ledger_location, job_name):
-    clock = FakeClock()
-    ledger = make(ledger_location, job_name, clock)
+    ledger = make(ledger_location, job_name)
     ledger.ensure_job(4, 2)
     slow = ledger.lease("slow", lease_ttl_s=100)
     fast = ledger.lease("fast", lease_ttl_s=100)
     ledger.commit(fast.shard_id, "fast", 2, 0, "f")
     assert ledger.lease("fast", lease_ttl_s=100, speculate_after_s=5) is LeaseWait.WAIT  # too early
-    clock.now += 6
+    pass_time(ledger, 6)
     dup = ledger.lease("fast", lease_ttl_s=100, speculate_after_s=5)
     assert isinstance(dup, Lease) and dup.speculative and dup.shard_id == slow.shard_id
     # only one speculative copy at a time
@@ -133,8 +121,7 @@ def test_tail_shards_are_speculatively_shared(ledger_location, job_name):
 
 
 def test_release_lets_others_take_the_shards_at_once(ledger_location, job_name):
-    clock = FakeClock()
-    ledger = make(ledger_location, job_name, clock)
+    ledger = make(ledger_location, job_name)
     ledger.ensure_job(2, 2)
     ledger.lease("a", lease_ttl_s=100)
     assert ledger.lease("b", lease_ttl_s=100) is LeaseWait.WAIT

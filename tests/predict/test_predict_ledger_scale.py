@@ -9,19 +9,12 @@ from __future__ import annotations
 import pytest
 
 from lightning_paro.predict.ledger import COMMITTED, LEASED, TODO, Lease, Ledger, LeaseWait
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from ledger_time import pass_time
 
 
 def _job(tmp_path, name: str, shards: int, committed: int, leased_by_other: int = 0) -> Ledger:
     """A job of ``shards`` one-row shards, the first ``committed`` committed, the next ``leased_by_other`` leased."""
-    ledger = Ledger(str(tmp_path / f"{name}.sqlite"), "job", clock=FakeClock())
+    ledger = Ledger(str(tmp_path / f"{name}.sqlite"), "job")
     ledger.ensure_job(shards, 1)
     with ledger.db.transaction("job") as tx:
         tx.execute(
@@ -133,10 +126,9 @@ def test_renew_costs_the_same_at_100_and_at_10000_committed_shards(tmp_path):
 def test_the_state_index_leaves_the_shards_in_row_order(tmp_path):
     ledger = _job(tmp_path, "order", shards=50, committed=10)
     try:
-        ledger.clock.now = 1000.0
         leases = [ledger.lease(f"w{i}", lease_ttl_s=5.0) for i in range(3)]
         assert [l.start_row for l in leases] == [10, 11, 12]
-        ledger.clock.now = 1010.0  # all three expired: the earliest rows come back first, before later todo rows
+        pass_time(ledger, 10)  # all three expired: the earliest rows come back first, before later todo rows
         again = ledger.lease("w9", lease_ttl_s=5.0)
         assert again.start_row == 10 and again.attempt == 2
         assert {s.state for s in ledger.shards() if s.start_row >= 13} == {TODO}
@@ -149,7 +141,7 @@ def test_postgres_plans_of_lease_commit_and_renew_use_indexes_not_scans(postgres
     index lookup (no sequential scan of the shards, no sort) on a job with 10,000 of 10,100 shards committed."""
     from lightning_paro.predict import db as db_module
 
-    ledger = Ledger(postgres_url, job_name, clock=FakeClock())
+    ledger = Ledger(postgres_url, job_name)
     try:
         ledger.ensure_job(10_100, 1)
         with ledger.db.transaction(job_name) as tx:
