@@ -112,10 +112,12 @@ def allocate_on_meta_by_default() -> list[str]:
     wrapped."""
     from lightning_paro.comm import collectives, ho_ring
     from lightning_paro.comm.ho_ring import pipeline
-    from lightning_paro.strategy import construction, engine, export, flat, handback, hooks, optimizer_step
+    from lightning_paro.strategy import (construction, engine, evaluation, export, flat, handback, optimizer_shards,
+                                         schedule, units)
 
     wrapped = []
-    classes = (flat.FlatGroup, engine.Unit, engine.PaROEngine, collectives.Communicator, collectives._Worker,
+    classes = (flat.FlatGroup, units.Unit, engine.PaROEngine, schedule.UnitSchedule, optimizer_shards.OptimizerShards,
+               evaluation.EvaluationStages, evaluation.ShardedEvaluation, collectives.Communicator, collectives._Worker,
                ho_ring.HORingGroups, pipeline._Phase, pipeline._Job, pipeline._Lane)
     for cls in classes:
         for name, member in list(vars(cls).items()):
@@ -133,7 +135,7 @@ def allocate_on_meta_by_default() -> list[str]:
                 wrapped.append(f"{module.__name__}.{name}")
     # The engine's concerns live in several modules that import each other's functions: wrap each of them wherever
     # it is held.
-    engine_modules = [engine, construction, hooks, optimizer_step, export, handback]
+    engine_modules = [engine, construction, schedule, optimizer_shards, evaluation, export, handback, units]
     owners = {m.__name__ for m in engine_modules}
     for module in engine_modules:
         for name, member in list(vars(module).items()):

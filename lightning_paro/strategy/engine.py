@@ -14,42 +14,43 @@ It turns a plain ``nn.Module`` into one whose parameters, gradients and optimize
 The engine is independent of Lightning: the strategy calls ``pre_step``, ``finish_backward`` and
 ``after_optimizer_step``; plain PyTorch loops can do the same.
 
-This file holds :class:`PaROEngine`, the class that owns the units and their state and coordinates the rest; each
-concern is a file of its own, which the engine's methods call:
+:class:`PaROEngine` is a thin facade over the pieces that own the state, as FSDP2 splits its own:
 
-* ``construction.py``: the units and flat groups built from the module, the optimizers given their shards;
-* ``hooks.py``: the module and autograd hooks, the prefetch, and the engine's :class:`Mode`;
-* ``optimizer_step.py``: the gradient sync, parameters no rank used kept through the step, clipping, the OS -> P
-  sync after the step;
-* ``export.py``: exact weights for evaluation (gathered, or sharded stages) and export (``full_state_dict``);
-* ``handback.py``: the module given back, checked, or its values taken in from outside.
+* each :class:`~lightning_paro.strategy.units.Unit` owns its flat groups' gather and reduction state;
+* :class:`~lightning_paro.strategy.schedule.UnitSchedule` owns hook registration, execution order and prefetch;
+* :class:`~lightning_paro.strategy.optimizer_shards.OptimizerShards` owns the optimizers' shards, unused-parameter
+  protection, clipping and the OS -> P sync;
+* :class:`~lightning_paro.strategy.evaluation.EvaluationStages` owns the modes, exact weights and the evaluation
+  stages' rounds;
+* ``construction.py`` builds the units, ``export.py`` gathers a full state dict, ``handback.py`` moves values between
+  the module and the flat groups.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from lightning_paro.comm.collectives import Communicator
-from lightning_paro.strategy import export, handback, hooks, optimizer_step
-from lightning_paro.strategy.construction import (
-    adopt_optimizers,
-    broadcast_buffers,
-    build_units,
-    check_module,
-)
-from lightning_paro.strategy.evaluation import ShardedEvaluation
+from lightning_paro.strategy import handback
+from lightning_paro.strategy.construction import broadcast_buffers, build_units, check_module
+from lightning_paro.strategy.evaluation import EvaluationStages, ShardedEvaluation
+from lightning_paro.strategy.export import full_state_dict
 from lightning_paro.strategy.flat import FlatGroup, GatherMeter
-from lightning_paro.strategy.handback import ENGINES as _ENGINES
-from lightning_paro.strategy.hooks import Mode
 from lightning_paro.strategy.levels import Level, ShardingSpec
+from lightning_paro.strategy.modes import Mode
+from lightning_paro.strategy.optimizer_shards import OptimizerShards
+from lightning_paro.strategy.schedule import UnitSchedule
 from lightning_paro.strategy.transitions import EXACT, CommDtypes
-from lightning_paro.strategy.units import Unit, UnitPolicy
+from lightning_paro.strategy.units import Unit, UnitPolicy, wait_all
+
+_ENGINES: weakref.WeakValueDictionary[int, PaROEngine] = weakref.WeakValueDictionary()
+"""The engine that shards each module, by ``id(module)``: a new engine gives the module back from the previous one
+first (its hooks would stay on the module, and keep its buffers alive, otherwise)."""
 
 
 class PaROEngine:
@@ -79,107 +80,92 @@ class PaROEngine:
         self.comm = comm
         self.comm_dtypes = comm_dtypes
         self.prefetch = max(0, int(prefetch))
-        self._mode = Mode.SHARDED
-        self.optimizers = list(optimizers)
-        self._hooks: list[RemovableHandle] = []
-        self._order: list[Unit] = []  # execution order seen in the last forward
-        self._seen: list[Unit] = []
-        self._reducing: Unit | None = None  # the unit whose gradient reduction was issued last in this backward
         self.attached = True
         """Whether the module's parameters are this engine's (False once :meth:`restore_module` gave them back)."""
         check_module(module)
-        handback.take_over(self)
-        built = build_units(module, spec, comm, self.optimizers, units, master_dtype, comm_dtypes, replicated)
+        previous = _ENGINES.get(id(module))
+        if previous is not None and previous.module is module and previous.attached:
+            previous.restore_module()  # another Trainer's strategy sharded this module before
+        optimizers = list(optimizers)
+        built = build_units(module, spec, comm, optimizers, units, master_dtype, comm_dtypes, replicated)
         self.original_param_groups: list[list[list[str]]] = built.original_param_groups
         """Per optimizer and param group, the parameter names in the order the user built them (checkpoints)."""
-        self._untracked: list[str] = built.untracked
+        self.untracked: list[str] = built.untracked
+        """Names of the parameters that require grad but are in no optimizer (treated as frozen)."""
         self.units: list[Unit] = built.units
         self.root: Unit = self.units[-1]
         self.gather_meter = GatherMeter()
         """Gathered parameter bytes alive on this rank, their high-water mark, and an optional limit (debug)."""
         for f in self.flat_groups():
             f.gather_meter = self.gather_meter
-        self.evaluation: ShardedEvaluation | None = None
-        """The rounds of the sharded evaluation stage in progress (mode EVAL)."""
-        self.eval_rounds = 0
-        """Rounds of sharded evaluation this rank took part in (one scalar all-reduce each)."""
-        self._flat_by_master: dict[int, FlatGroup] = adopt_optimizers(
-            self.units, self.optimizers, self._hooks, self._restore_unused)
-        hooks.register_hooks(self)
+        self.stages = EvaluationStages(self.units, comm, spec.params, self.prefetch, self.control_device)
+        self.shards = OptimizerShards(self.units, optimizers, comm, spec.optim)
+        self.schedule = UnitSchedule(self.units, self.prefetch, self.stages)
         broadcast_buffers(module, comm)
         _ENGINES[id(module)] = self
 
+    # ------------------------------------------------------------------ the pieces' state, read through the engine
     @property
     def mode(self) -> Mode:
-        """Training (SHARDED) or one of the evaluation modes; only training gathers in ``comm_dtypes``."""
-        return self._mode
+        """Training (SHARDED) or one of the evaluation modes (owned by :attr:`stages`)."""
+        return self.stages.mode
 
-    @mode.setter
-    def mode(self, mode: Mode) -> None:
-        self._mode = mode
-        export.set_exact_gathers(self.flat_groups(), mode)
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return self.shards.optimizers
 
-    def exact_params(self) -> None:
-        """Collective. Make every rank's parameter storage hold the exact weights where training left them rounded
-        (``comm_dtypes`` with parameters in fewer bits than stored): drop gathered units rounded on the wire and run
-        the OS -> P sync again in the parameters' own dtype. Nothing to do otherwise. Runs before evaluation,
-        checkpoints and handing the module back."""
-        export.exact_params(self)
+    @property
+    def evaluation(self) -> ShardedEvaluation | None:
+        """The rounds of the sharded evaluation stage in progress (mode EVAL)."""
+        return self.stages.current
 
-    # ------------------------------------------------------------------ hooks (hooks.py)
-    def _unit_pre_backward(self, unit: Unit) -> None:
-        hooks.unit_pre_backward(self, unit)
+    @property
+    def eval_rounds(self) -> int:
+        """Rounds of sharded evaluation this rank took part in (one scalar all-reduce each)."""
+        return self.stages.rounds
 
-    def _unit_post_backward(self, unit: Unit) -> None:
-        hooks.unit_post_backward(self, unit)
+    def flat_groups(self) -> list[FlatGroup]:
+        return [f for u in self.units for f in u.flats]
 
-    def _prefetch_after(self, unit: Unit, forward: bool) -> None:
-        hooks.prefetch_after(self, unit, forward)
+    def masters(self, optimizer: Optimizer | None = None) -> list[nn.Parameter]:
+        """The optimizer shards (of one optimizer, or all)."""
+        return self.shards.masters(optimizer)
 
-    # ------------------------------------------------------------------ step protocol (optimizer_step.py)
+    def flat_of(self, master: nn.Parameter) -> FlatGroup:
+        """The flat group an optimizer shard belongs to."""
+        return self.shards.flat_of(master)
+
+    def control_device(self) -> torch.device:
+        """Where the engine's control tensors (flags, norms) live: the compute device."""
+        if self.comm.device is not None:
+            return self.comm.device
+        return next((f.device for f in self.flat_groups()), torch.device("cpu"))
+
+    # ------------------------------------------------------------------ step protocol
     def pre_step(self) -> None:
         """Before a training step: make the root unit's parameters usable and its gradients ready."""
-        self.mode = Mode.SHARDED
-        self._seen = []
-        self.root.ensure_ready()
-        self.root.backward_started = False
-        self.root.backward_done = False
-        self.root.pre_backward()
+        self.stages.mode = Mode.SHARDED
+        self.schedule.begin_step()
 
     def finish_backward(self, sync: bool) -> None:
         """After ``loss.backward()``: complete every unit's reduction; with ``sync`` (the accumulation boundary),
         bring the gradients to the optimizer-state level."""
-        if self._seen:
-            self._order = list(self._seen)
-        for unit in [*reversed(self._order), self.root]:
-            self._unit_post_backward(unit)
-        self._reducing = None
+        self.schedule.finish_backward()
         if sync:
             self.sync_grads()
 
     def sync_grads(self) -> None:
         """Bring the gradients to the optimizer-state level and keep parameters no rank used through the step."""
-        optimizer_step.sync_grads(self)
-
-    def _protect_unused(self) -> None:
-        optimizer_step.protect_unused(self)
-
-    def _restore_unused(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        optimizer_step.restore_unused(self, optimizer, args, kwargs)
-
-    def masters(self, optimizer: Optimizer | None = None) -> list[nn.Parameter]:
-        """The optimizer shards (of one optimizer, or all)."""
-        opts = [optimizer] if optimizer is not None else self.optimizers
-        return [p for o in opts for g in o.param_groups for p in g["params"]]
+        self.shards.sync_grads()
 
     def clip_grad_norm_(self, max_norm: float, optimizer: Optimizer | None = None, eps: float = 1e-6) -> torch.Tensor:
         """Clip the OS-level gradients by their global 2-norm (reduced over the ranks holding disjoint shards only);
         returns the norm before clipping."""
-        return optimizer_step.clip_grad_norm(self, max_norm, optimizer, eps)
+        return self.shards.clip_grad_norm(max_norm, optimizer, eps, self.control_device())
 
     def after_optimizer_step(self, optimizer: Optimizer | None = None) -> None:
         """Launch the OS -> P parameter sync (waited for at first use) and reset the gradient accumulators."""
-        optimizer_step.after_optimizer_step(self, optimizer)
+        self.shards.after_step(optimizer)
 
     def prepare_next_forward(self) -> None:
         """Manual optimization: get the root unit ready for another forward and backward in the same training step.
@@ -187,68 +173,76 @@ class PaROEngine:
         The root unit is gathered once per training step and freed by the backward; after an optimizer step a
         gathered copy holds the old weights. Gather it again with the current weights and attach its gradients.
         """
-        root = self.root
-        if root.sharded_params:
-            root.free()
-        root.ensure_ready()
-        root.backward_started = False
-        root.backward_done = False
-        root.pre_backward()
+        if self.root.sharded_params:
+            self.root.free()
+        self.schedule.ready_root()
 
-    # ------------------------------------------------------------------ evaluation and export (export.py)
+    # ------------------------------------------------------------------ evaluation and export
+    def exact_params(self) -> None:
+        """Collective. Make every rank's parameter storage hold the exact weights where training left them rounded
+        (``comm_dtypes`` with parameters in fewer bits than stored). Runs before evaluation, checkpoints and handing
+        the module back."""
+        self.stages.exact_params()
+
     def materialize(self) -> None:
         """Gather every unit and keep it gathered (evaluation): no collectives per batch. The weights are exact."""
-        export.materialize(self)
+        self.stages.materialize()
 
     def release(self) -> None:
         """Back to training mode: free what is sharded."""
-        export.release(self)
+        self.stages.release()
 
     @property
     def full_param_bytes(self) -> int:
         """Bytes of every parameter buffer gathered at once (padded): what :meth:`materialize` holds."""
         return sum(f.full_bytes for f in self.flat_groups())
 
-    # Sharded evaluation (evaluation.py): the engine gathers the root unit and hands the stage's rounds to a
-    # ShardedEvaluation; the unit hooks call it while the mode is EVAL.
     def begin_eval(self) -> None:
         """Start a sharded evaluation stage (collective over the P scope): the root unit is gathered for the whole
         stage, the other units in each forward. With P = N this is :meth:`materialize` (nothing to gather)."""
-        export.begin_eval(self)
+        self.stages.begin_eval(self.schedule.order)
 
     def eval_step_begin(self) -> None:
         """Before an evaluation step: this rank's round, flag 1 (running)."""
-        export.eval_step_begin(self)
+        self.stages.step_begin()
 
     def eval_step_end(self, last: bool) -> None:
         """After an evaluation step; ``last``: this rank has no more batches in this stage, so it serves its peers'
         gathers until every rank has run its last step."""
-        export.eval_step_end(self, last)
+        self.stages.step_end(last)
 
     def join(self) -> None:
         """Serve the peers' gathers until every rank of the P scope has run its last step (collective)."""
-        export.join(self)
+        self.stages.join()
 
     def end_eval(self) -> None:
         """End of an evaluation stage: join if the last step did not, then free what is sharded."""
-        export.end_eval(self)
+        self.stages.end_eval()
 
     def full_state_dict(self, rank0_only: bool = False, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The module's state dict with full tensors copied to ``device``, gathered one unit at a time (collective):
         the device holds at most one more unit than it does already. With ``rank0_only`` other ranks take part in
         the gathers and return an empty dict."""
-        return export.full_state_dict(self, rank0_only, device)
+        return full_state_dict(self.module, self.units, self.stages, self.comm, rank0_only, device)
 
-    # ------------------------------------------------------------------ the module (handback.py)
+    # ------------------------------------------------------------------ the module
     def restore_module(self) -> None:
         """Give the module back full, independent parameters and remove every hook (collective)."""
-        handback.restore_module(self)
+        self.wait()
+        self.materialize()
+        handback.detach_parameters(self.flat_groups())
+        self.schedule.remove_hooks()
+        self.shards.remove_hooks()
+        self.stages.mode = Mode.FULL
+        self.attached = False
+        if _ENGINES.get(id(self.module)) is self:
+            del _ENGINES[id(self.module)]
 
     def holds(self, module: nn.Module) -> bool:
         """Whether this engine still shards ``module`` as it was built: the same parameter objects under the same
         names, with the same shapes, dtypes and devices (``configure_model`` or a precision change may have replaced
         them between stages)."""
-        return handback.holds(self, module)
+        return module is self.module and self.attached and handback.holds(self.flat_groups(), module)
 
     def adopt_module_values(self) -> None:
         """Collective. Take the module's current parameter values into this rank's shards, and rank 0's buffers,
@@ -261,26 +255,23 @@ class PaROEngine:
 
         A module left sharded after fit has no other values than the shards: nothing is gathered then.
         """
-        handback.adopt_module_values(self)
+        self.wait()
+        if self.mode is Mode.FULL or not self.root.sharded_params:
+            self.materialize()
+            handback.adopt_values(self.flat_groups())
+        broadcast_buffers(self.module, self.comm)
 
     def after_load(self) -> None:
         """After new weights were written into this rank's parameter shards: refresh separate master copies and
         drop any gathered copy (it holds the old weights)."""
-        handback.after_load(self)
+        self.shards.refresh_masters()
+        handback.drop_stale_copies(self.flat_groups())
+        self.stages.after_load()
 
     # ------------------------------------------------------------------ state
     def wait(self) -> None:
         """Wait for every collective in flight."""
-        for unit in self.units:
-            unit.wait_param_sync()
-            unit.wait_gather()
-            unit.wait_reduce()
-
-    def control_device(self) -> torch.device:
-        """Where the engine's control tensors (flags, norms) live: the compute device."""
-        if self.comm.device is not None:
-            return self.comm.device
-        return next((f.device for f in self.flat_groups()), torch.device("cpu"))
+        wait_all(self.units)
 
     def memory_report(self) -> dict[str, int]:
         """Persistent per-rank bytes of model states held by the engine (padding included).
@@ -290,38 +281,23 @@ class PaROEngine:
         right now (P != N).
         """
         out = {"params": 0, "grads": 0, "optim": 0, "transient_params": 0}
-        for unit in self.units:
-            for f in unit.flats:
-                b = f.state_bytes()
-                out["params"] += b["params"]
-                out["grads"] += b["grads"]
-                out["optim"] += b["master"]
-                if f.spec.params != Level.N and f.gathered:
-                    out["transient_params"] += f.p_full.numel() * f.p_full.element_size()
-        seen: set[int] = set()
-        for opt in self.optimizers:
-            for state in opt.state.values():
-                for v in state.values():
-                    if torch.is_tensor(v) and id(v) not in seen:
-                        seen.add(id(v))
-                        out["optim"] += v.numel() * v.element_size()
+        for f in self.flat_groups():
+            b = f.state_bytes()
+            out["params"] += b["params"]
+            out["grads"] += b["grads"]
+            out["optim"] += b["master"]
+            if f.spec.params != Level.N and f.gathered:
+                out["transient_params"] += f.p_full.numel() * f.p_full.element_size()
+        out["optim"] += self.shards.state_bytes()
         return out
 
     def num_params(self) -> dict[str, int]:
         """Psi (all parameters), Psi' (trainable) and their padded totals."""
         out = {"total": 0, "trainable": 0, "total_padded": 0, "trainable_padded": 0}
-        for unit in self.units:
-            for f in unit.flats:
-                out["total"] += f.layout.numel
-                out["total_padded"] += f.layout.padded
-                if f.trainable:
-                    out["trainable"] += f.layout.numel
-                    out["trainable_padded"] += f.layout.padded
+        for f in self.flat_groups():
+            out["total"] += f.layout.numel
+            out["total_padded"] += f.layout.padded
+            if f.trainable:
+                out["trainable"] += f.layout.numel
+                out["trainable_padded"] += f.layout.padded
         return out
-
-    def flat_of(self, master: nn.Parameter) -> FlatGroup:
-        """The flat group an optimizer shard belongs to."""
-        return self._flat_by_master[id(master)]
-
-    def flat_groups(self) -> list[FlatGroup]:
-        return [f for u in self.units for f in u.flats]

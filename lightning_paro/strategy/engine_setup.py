@@ -57,8 +57,8 @@ def retire(engine: PaROEngine, comm: Optional[Communicator]) -> None:
 
 def warn_untracked(engine: PaROEngine) -> None:
     """Warn (rank 0) about parameters that require grad but are in no optimizer: the engine treats them as frozen."""
-    if engine._untracked:
+    if engine.untracked:
         rank_zero_warn(
-            f"{len(engine._untracked)} parameters require grad but are in no optimizer (e.g."
-            f" {engine._untracked[0]!r}); the PaRO strategy treats them as frozen."
+            f"{len(engine.untracked)} parameters require grad but are in no optimizer (e.g."
+            f" {engine.untracked[0]!r}); the PaRO strategy treats them as frozen."
         )

@@ -1,54 +1,203 @@
-"""Sharded evaluation: ``validate``, ``test`` and ``predict`` with units gathered one at a time, on ranks that may run
-different numbers of batches.
+"""The modes of a :class:`~lightning_paro.strategy.engine.PaROEngine` and its evaluation stages:
+:class:`EvaluationStages` owns the engine's mode, the exact weights evaluation and export read, and each stage's
+rounds; :class:`ShardedEvaluation` keeps one sharded stage's rounds.
 
-Lightning's predict sampler does not pad, so ranks may run different numbers of steps, but every gather is a
-collective over the P scope. So evaluation goes in rounds, one per step: each rank first adds a "still running" flag
-into one scalar all-reduce over that scope. A rank that has run its last step keeps taking part in the rounds with a
-0 and, while any peer still runs, issues the gathers of one step without computing, until a round counts no rank
-running. The gathers such a rank replays are the sequence of units of the latest step every rank ran (the same on
-every rank, since all of them issued those gathers together); in a round where a peer has finished, a running rank
-must use its units in that order.
+Training may gather parameters rounded on the wire (``comm_dtypes``); evaluation reads exact weights: the parameter
+storage is made exact first, and gathers outside training travel in the parameters' own dtype. A stage holds the
+whole model (mode FULL: every unit gathered, no collective per batch) or runs sharded (mode EVAL).
 
-The engine (``engine.py``) owns the units and the hooks; it hands each evaluation stage to one
-:class:`ShardedEvaluation`, which keeps the stage's rounds.
-
-The strategy's side of a stage is here too, as plain functions its hooks call: whether the stage holds the whole
-model (:func:`gather_in_full`, for ``gather="full"``, ``"sharded"`` or ``"auto"``), the stage begun in full or
-sharded (:func:`begin_stage`), and each step run in its round (:func:`run_step`, told by :func:`is_last_batch`
-when the rank has run its last batch).
+**Sharded evaluation.** Lightning's predict sampler does not pad, so ranks may run different numbers of steps, but
+every gather is a collective over the P scope. So evaluation goes in rounds, one per step: each rank first adds a
+"still running" flag into one scalar all-reduce over that scope. While every rank runs, each gathers the units its
+forward uses (prefetching in the order of the last step every rank ran). A rank that has run its last step keeps
+taking part in the rounds with a 0 and serves its peers until a round counts no rank running. In a round where a
+peer has finished (a tail round), the running ranks announce each sharded unit before gathering it (one more scalar
+all-reduce of the unit's index), and the finished ranks gather what is announced, until the running ranks announce
+the end of their step: the gathers follow the order the running ranks use, whatever order any earlier step or the
+registration had. Running ranks that use different units at the same point of a tail round fail, naming the unit.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
-from lightning_paro.strategy.hooks import Mode
+from lightning_paro.comm.collectives import Communicator
 from lightning_paro.strategy.levels import Level
+from lightning_paro.strategy.modes import Mode
 from lightning_paro.strategy.transitions import SCOPE_OF
+from lightning_paro.strategy.units import Unit, wait_all
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
-    from lightning_paro.strategy.engine import PaROEngine
-    from lightning_paro.strategy.options import GatherMode
-    from lightning_paro.strategy.units import Unit
+class EvaluationStages:
+    """The mode of one engine's units and the evaluation stages run on them.
+
+    Args:
+        units: the engine's units, the root unit last.
+        comm: the communicator.
+        params_level: the P level (the scope of sharded evaluation's rounds and gathers).
+        prefetch: how many units ahead a sharded stage gathers.
+        control_device: where control tensors (round flags) live.
+    """
+
+    def __init__(self, units: list[Unit], comm: Communicator, params_level: Level, prefetch: int,
+                 control_device: Callable[[], torch.device]) -> None:
+        self.units = units
+        self.root = units[-1]
+        self.comm = comm
+        self.params_level = params_level
+        self.prefetch = max(0, int(prefetch))
+        self.control_device = control_device
+        self._mode = Mode.SHARDED
+        self.current: ShardedEvaluation | None = None
+        """The rounds of the sharded evaluation stage in progress (mode EVAL)."""
+        self.rounds = 0
+        """Rounds of sharded evaluation this rank took part in (one scalar all-reduce each)."""
+
+    # ------------------------------------------------------------------ mode and exact weights
+    @property
+    def mode(self) -> Mode:
+        """Training (SHARDED) or one of the evaluation modes; only training gathers in ``comm_dtypes``."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        self._mode = mode
+        self._set_exact_gathers(mode is not Mode.SHARDED)
+
+    def _set_exact_gathers(self, exact: bool) -> None:
+        for unit in self.units:
+            for f in unit.flats:
+                f.exact_gathers = exact
+
+    @contextmanager
+    def exact_gathers(self) -> Iterator[None]:
+        """Gathers in the parameters' own dtype inside the block, whatever the mode; after it, as the mode says."""
+        self._set_exact_gathers(True)
+        try:
+            yield
+        finally:
+            self._set_exact_gathers(self._mode is not Mode.SHARDED)
+
+    def exact_params(self) -> None:
+        """Collective. Drop gathered units rounded on the wire and run the OS -> P sync again in the parameters' own
+        dtype (nothing to do where training left the storage exact)."""
+        for unit in self.units:
+            if any(f.gathered_rounded for f in unit.flats):
+                unit.free()
+        for unit in self.units:
+            for f in unit.flats:
+                if f.trainable:
+                    f.exact_params()
+
+    # ------------------------------------------------------------------ stages
+    def materialize(self) -> None:
+        """Gather every unit, exact, and keep it gathered (mode FULL): no collectives per batch."""
+        self.exact_params()
+        with self.exact_gathers():
+            for unit in self.units:
+                unit.wait_param_sync()
+                unit.gather(async_op=True)
+            for unit in self.units:
+                unit.wait_gather()
+        self.mode = Mode.FULL
+
+    def release(self) -> None:
+        """Free what is sharded; back to training mode."""
+        for unit in self.units:
+            if unit.sharded_params:
+                unit.free()
+        self.mode = Mode.SHARDED
+        self.current = None
+
+    def begin_eval(self, order: list[Unit]) -> None:
+        """Start a sharded evaluation stage: the root unit gathered (exact) for the stage; ``order`` is the last
+        training forward's order of units (the prefetch's order until a step every rank runs says otherwise). With
+        P = N, :meth:`materialize`."""
+        if not self.root.sharded_params:
+            self.materialize()
+            return
+        wait_all(self.units)
+        self.release()
+        self.exact_params()
+        with self.exact_gathers():
+            self.root.ensure_ready()
+        self.current = ShardedEvaluation(self, [u for u in order if u is not self.root] or self.units[:-1])
+        self.mode = Mode.EVAL
+
+    def step_begin(self) -> None:
+        if self._mode is Mode.EVAL:
+            self.current.step_begin()
+
+    def step_end(self, last: bool) -> None:
+        if self._mode is Mode.EVAL:
+            self.current.step_end(last)
+
+    def join(self) -> None:
+        if self._mode is Mode.EVAL:
+            self.current.join()
+
+    def end_eval(self) -> None:
+        """End of an evaluation stage: join if the last step did not, then free what is sharded."""
+        if self._mode is Mode.EVAL:
+            self.current.join()
+        if self._mode in (Mode.EVAL, Mode.FULL):
+            self.release()
+
+    def enter(self, unit: Unit) -> None:
+        """A unit's forward starts under sharded evaluation."""
+        self.current.enter(unit)
+
+    def leave(self, unit: Unit) -> None:
+        """A unit's forward ended under sharded evaluation: free it."""
+        unit.free()
+
+    def after_load(self) -> None:
+        """New weights were written into the shards (gathered copies dropped): gather again what the mode keeps."""
+        if self._mode is Mode.FULL:
+            self.materialize()
+        elif self._mode is Mode.EVAL:
+            self.root.ensure_ready()
+
+    # ------------------------------------------------------------------ the scope of the rounds
+    @property
+    def scope(self) -> str:
+        return SCOPE_OF[self.params_level]
+
+    @property
+    def scope_size(self) -> int:
+        topo = self.comm.topology
+        return topo.world_size if self.params_level == Level.G else topo.group_size
+
+    def all_reduce_control(self, values: list[int]) -> list[int]:
+        """Sum small integers over the scope of the rounds (one scalar all-reduce)."""
+        flag = torch.tensor(values, dtype=torch.int64, device=self.control_device())
+        self.comm.scalar_all_reduce(flag, self.scope)
+        return [int(v) for v in flag.tolist()]
+
+
+_END = 0
+"""The announcement that ends a step's gathers in a tail round (unit k is announced as k + 1)."""
 
 
 class ShardedEvaluation:
-    """The rounds of one sharded evaluation stage of ``engine`` (collective over its P scope).
+    """The rounds of one sharded evaluation stage (collective over the P scope).
 
     Args:
-        engine: the engine, with its root unit gathered for the stage.
-        sequence: the units, in the order the last training forward used them (the agreed order of gathers until a
-            step every rank runs says otherwise).
+        stages: the engine's stages, with the root unit gathered for this one.
+        sequence: the units in the order the last training forward used them: the prefetch's order until a step every
+            rank runs says otherwise.
     """
 
-    def __init__(self, engine: PaROEngine, sequence: list[Unit]) -> None:
-        self.engine = engine
+    def __init__(self, stages: EvaluationStages, sequence: list[Unit]) -> None:
+        self.stages = stages
         self.sequence = [u for u in sequence if u.sharded_params]
-        """The gathers a rank that ran out of batches replays: those of the latest step every rank ran."""
+        """The order the prefetch follows in rounds where every rank runs: that of the latest such step."""
+        self.announced = [u for u in stages.units[:-1] if u.sharded_params]
+        """The units a tail round may announce, by index (the same list on every rank)."""
         self.step: list[Unit] | None = None
         """The sharded units the current step has used, in order (None between steps)."""
         self.tail = False
@@ -56,19 +205,10 @@ class ShardedEvaluation:
         self.joined = False
         """Whether this rank has served its peers until the last round."""
 
-    @property
-    def scope(self) -> str:
-        return SCOPE_OF[self.engine.spec.params]
-
-    @property
-    def scope_size(self) -> int:
-        topo = self.engine.comm.topology
-        return topo.world_size if self.engine.spec.params == Level.G else topo.group_size
-
     def step_begin(self) -> None:
         """Before a step: this rank's round, flag 1 (running)."""
         running = self._round(running=True)
-        self.tail = running < self.scope_size
+        self.tail = running < self.stages.scope_size
         self.step = []
 
     def step_end(self, last: bool) -> None:
@@ -78,11 +218,10 @@ class ShardedEvaluation:
             return
         done, self.step = self.step, None
         if self.tail:
-            # Peers that finished replay the whole agreed sequence: issue the gathers this step did not use.
-            self._replay(self.sequence[len(done):])
+            self._announce(_END)
         elif done:
             self.sequence = done
-        for unit in self.engine.units[:-1]:  # a prefetched unit the step did not use
+        for unit in self.stages.units[:-1]:  # a prefetched unit the step did not use
             unit.free()
         if last:
             self.join()
@@ -92,82 +231,49 @@ class ShardedEvaluation:
         if self.joined:
             return
         while self._round(running=False) > 0:
-            self._replay(self.sequence)
+            self._serve_step()
         self.joined = True
 
     def enter(self, unit: Unit) -> None:
-        """A unit's forward starts: check it against the agreed order, gather it, prefetch the next ones."""
-        step, prefetch = self.step, self.engine.prefetch
-        pos = len(step) if step is not None else -1
-        in_sequence = 0 <= pos < len(self.sequence) and self.sequence[pos] is unit
-        if step is not None:
-            if self.tail and unit.sharded_params and not in_sequence:
-                raise RuntimeError(
-                    f"Sharded evaluation: this step used unit {unit.name!r} as its gather number {pos + 1}, where the"
-                    f" ranks that have run out of batches replay {len(self.sequence)} gathers in the order of the last"
-                    " step every rank ran. Every evaluation step must use the model's units in the same order; or"
-                    " gather the model in full for evaluation (PaROStrategy(gather='full')).")
-            if unit.sharded_params:
-                step.append(unit)
+        """A unit's forward starts: gather it (announcing it first in a tail round), prefetch the next ones."""
+        step = self.step
+        if step is not None and unit.sharded_params:
+            step.append(unit)
+            if self.tail:
+                self._announce(self.announced.index(unit) + 1, unit)
+                unit.ensure_ready()
+                return
         unit.ensure_ready()
-        if in_sequence:
-            for nxt in self.sequence[pos + 1:pos + 1 + prefetch]:
+        pos = len(step) - 1 if step is not None else -1
+        if 0 <= pos < len(self.sequence) and self.sequence[pos] is unit:
+            for nxt in self.sequence[pos + 1:pos + 1 + self.stages.prefetch]:
                 nxt.gather(async_op=True)
 
-    def _replay(self, units: list[Unit]) -> None:
-        """The gathers and frees a step over ``units`` issues, in the same order, without computing."""
-        prefetch = self.engine.prefetch
-        for pos, unit in enumerate(units):
+    def _serve_step(self) -> None:
+        """A finished rank's part of a tail round: gather each unit the running ranks announce, until they end."""
+        while True:
+            index = self._announce(None)
+            if index == _END:
+                return
+            unit = self.announced[index - 1]
             unit.ensure_ready()
-            for nxt in units[pos + 1:pos + 1 + prefetch]:
-                nxt.gather(async_op=True)
             unit.free()
 
+    def _announce(self, index: int | None, unit: Unit | None = None) -> int:
+        """One announcement of a tail round: running ranks pass the unit's ``index`` (or :data:`_END`), finished ranks
+        None; returns what the running ranks announced, which must agree."""
+        mine = [0, 0, 0] if index is None else [1, index, index * index]
+        count, total, squares = self.stages.all_reduce_control(mine)
+        if count == 0 or total * total != count * squares:
+            what = f"unit {unit.name!r}" if unit is not None else "the end of its step"
+            raise RuntimeError(
+                f"Sharded evaluation: in a round where a peer had run its last batch, the ranks still running did not"
+                f" use the same unit at the same point of their step (this rank: {what}). Every evaluation step must"
+                " use the model's units in the same order on every rank; or gather the model in full for evaluation"
+                " (PaROStrategy(gather='full')).")
+        return total // count
+
     def _round(self, running: bool) -> int:
-        engine = self.engine
-        engine.eval_rounds += 1
-        flag = torch.full((1,), int(running), dtype=torch.int32, device=engine.control_device())
-        engine.comm.scalar_all_reduce(flag, self.scope)
-        return int(flag.item())
-
-
-def gather_in_full(mode: GatherMode, sharded: bool, full_bytes: int, memory_fraction: float,
-                   free_bytes: Callable[[], float]) -> bool:
-    """Whether a stage holds the whole model: always when no parameter is ``sharded`` (both ways are the same), as
-    ``mode`` says under "full" and "sharded", and under "auto" when the ``full_bytes`` of every parameter gathered
-    fit ``memory_fraction`` of ``free_bytes()`` (called only then: it may be a collective)."""
-    if not sharded:
-        return True
-    if mode != "auto":
-        return mode != "sharded"
-    return full_bytes <= memory_fraction * free_bytes()
-
-
-def begin_stage(engine: PaROEngine, in_full: Callable[[], bool]) -> None:
-    """Begin an evaluation stage: the whole model gathered when ``in_full()`` (no collective per batch), else
-    sharded evaluation's rounds."""
-    if in_full():
-        engine.materialize()
-    else:
-        engine.begin_eval()
-
-
-def run_step(engine: Optional[PaROEngine], step: Callable[..., Any], last_batch: Callable[[], bool], *args: Any,
-             **kwargs: Any) -> Any:
-    """Run an evaluation ``step``; under sharded evaluation inside its round, after which ``last_batch()`` says
-    whether this rank has run its last batch of the stage."""
-    if engine is None or engine.mode is not Mode.EVAL:
-        return step(*args, **kwargs)
-    engine.eval_step_begin()
-    out = step(*args, **kwargs)
-    engine.eval_step_end(last=last_batch())
-    return out
-
-
-def is_last_batch(module: Optional[pl.LightningModule]) -> bool:
-    """Whether the batch just run is this rank's last of the stage (Lightning knows it one batch ahead; with a
-    ``dataloader_iter`` step it does not, and the rank joins at the end of the stage instead)."""
-    trainer = module._trainer if module is not None else None
-    loop = getattr(trainer, "_active_loop", None)
-    progress = getattr(loop, "batch_progress", None)
-    return bool(getattr(progress, "is_last_batch", False))
+        self.stages.rounds += 1
+        (count,) = self.stages.all_reduce_control([int(running)])
+        return count

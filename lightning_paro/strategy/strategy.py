@@ -1,8 +1,8 @@
 """``Trainer(strategy="paro")``: the Lightning-facing PaRO strategy. Thin hooks over plain functions: the sharding
 lives in the engine (``engine.py``, built for the strategy in ``engine_setup.py``), saving and loading checkpoints
 in ``checkpoint.py``, the options' defaults and checks in ``options.py``, the process groups and Lightning's
-collectives in ``distributed.py``, each evaluation stage in full or sharded in ``evaluation.py``, the module handed
-back at teardown in ``teardown.py``, the per-step traffic record in ``traffic.py`` and ``sharding="auto"`` in
+collectives in ``distributed.py``, each evaluation stage in full or sharded in ``evaluation_stage.py``, the module
+handed back at teardown in ``teardown.py``, the per-step traffic record in ``traffic.py`` and ``sharding="auto"`` in
 ``auto_session.py``."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from lightning_paro.strategy.distributed import (
 )
 from lightning_paro.strategy.engine import PaROEngine
 from lightning_paro.strategy.engine_setup import ho_ring_config, new_engine, retire, unwrap, warn_untracked
-from lightning_paro.strategy.evaluation import begin_stage, gather_in_full, is_last_batch, run_step
+from lightning_paro.strategy.evaluation_stage import begin_stage, gather_in_full, is_last_batch, run_step
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
 from lightning_paro.strategy.manual import ManualSteps, check_one_optimizer
 from lightning_paro.strategy.options import GatherConfig, GatherMode, PaROOptions
@@ -418,7 +418,7 @@ class PaROStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ evaluation: gathered in full, or sharded
     @override
     def on_validation_start(self) -> None:
-        self._begin_eval()
+        self._begin_eval("validate")
 
     @override
     def on_validation_end(self) -> None:
@@ -426,7 +426,7 @@ class PaROStrategy(ParallelStrategy):
 
     @override
     def on_test_start(self) -> None:
-        self._begin_eval()
+        self._begin_eval("test")
 
     @override
     def on_test_end(self) -> None:
@@ -434,7 +434,7 @@ class PaROStrategy(ParallelStrategy):
 
     @override
     def on_predict_start(self) -> None:
-        self._begin_eval()
+        self._begin_eval("predict")
 
     @override
     def on_predict_end(self) -> None:
@@ -452,9 +452,10 @@ class PaROStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(super().predict_step, *args, **kwargs)
 
-    def _begin_eval(self) -> None:
+    def _begin_eval(self, stage: str) -> None:
         if self.engine is not None:
-            begin_stage(self.engine, lambda: self._gather_in_full(self.gather.evaluation))
+            begin_stage(self.engine, lambda: self._gather_in_full(self.gather.evaluation), self.lightning_module,
+                        stage)
 
     def _end_eval(self) -> None:
         if self.engine is not None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
-from lightning_paro.strategy.hooks import Mode
+from lightning_paro.strategy.modes import Mode
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.strategy import Strategy

@@ -141,3 +141,11 @@ class Unit:
             if f.pending_reduce is not None:
                 f.pending_reduce.wait()
                 f.pending_reduce = None
+
+
+def wait_all(units: list[Unit]) -> None:
+    """Wait for every collective of ``units`` in flight: parameter syncs, gathers and gradient reductions."""
+    for unit in units:
+        unit.wait_param_sync()
+        unit.wait_gather()
+        unit.wait_reduce()

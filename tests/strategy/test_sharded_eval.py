@@ -126,8 +126,7 @@ def _unreadable(device, ranks_on_host):
 
 def test_sharded_forward_in_one_process(world_of_one):
     """In one process: a sharded evaluation step gives the full-gather output, holds at most the root unit and two
-    blocks, and a step that leaves the agreed order of units in a round where a peer has finished fails naming the
-    unit."""
+    blocks, and a step in a round where a peer has finished gathers the units in the order it uses them."""
     from tiny_lm import TinyLM
 
     from lightning_paro.strategy.engine import PaROEngine
@@ -152,8 +151,13 @@ def test_sharded_forward_in_one_process(world_of_one):
         assert engine.gather_meter.peak == root + 2 * block < engine.full_param_bytes
         engine.eval_step_begin()
         engine.evaluation.tail = True  # as in a round where a peer has run its last batch
-        with pytest.raises(RuntimeError, match="unit 'blocks.1' as its gather number 1"):
-            model.blocks[1](torch.zeros(2, 8, 10))
+        # a step that uses the units in an order no step used before: announced and gathered as it goes
+        x = torch.randn(2, 8, 10)
+        got = model.blocks[1](model.blocks[0](x))
+        engine.eval_step_end(last=False)
+        engine.release()
+        engine.materialize()
+        torch.testing.assert_close(got, model.blocks[1](model.blocks[0](x)), atol=0, rtol=0)
     engine.wait()
 
 
@@ -191,6 +195,50 @@ def test_reading_a_module_left_sharded_is_refused_not_a_crash(tmp_path):
         t2.validate(model, loader(4), verbose=False)  # hands the module back in full
         for k, v in model.state_dict().items():
             torch.testing.assert_close(v, exported[k], rtol=0, atol=0, msg=k)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_tail_round_follows_the_order_peers_run(tmp_path):
+    """A model whose forward runs its blocks in reverse registration order, evaluated sharded with no training forward
+    before (so no order is known), on 2 ranks with 2 steps and none: in the tail rounds the running rank's gathers are
+    announced in the order it uses them, and the finished rank serves them, so the outputs equal the whole model's."""
+    launch("eval_order.py", 2, str(tmp_path), timeout=100)
+    for rank, steps in ((0, 2), (1, 0)):
+        res = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+        assert res["steps"] == steps and res["max_diff"] == 0.0
+        assert res["rounds"] == 3  # two steps of the slowest rank, and the one that counts no rank running
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_whose_last_batch_cannot_be_known_fails_at_its_start():
+    """A ``validation_step`` over ``dataloader_iter`` cannot tell a rank its last batch, so a finished rank would join
+    its peers only after the epoch-end hooks and metric sync (a world collective the peers never reach while they
+    gather): refused at the stage's start under sharded evaluation, naming the fix; gathered in full it runs."""
+    import lightning as L
+    from tiny_lm import TinyLM, loader
+
+    from lightning_paro import GatherConfig, PaROStrategy
+
+    class IterStep(TinyLM):
+        def validation_step(self, dataloader_iter):
+            batch, _, _ = next(dataloader_iter)
+            self.log("val_loss", self.loss(batch))
+
+    def trainer(evaluation):
+        strategy = PaROStrategy(sharding="GGG", group_size=1, gather=GatherConfig(evaluation=evaluation))
+        return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+
+    torch.manual_seed(0)
+    model = IterStep()
+    try:
+        with pytest.raises(RuntimeError, match="takes `dataloader_iter`.*evaluation='full'"):
+            trainer("sharded").validate(model, loader(4), verbose=False)
+        assert trainer("full").validate(model, loader(4), verbose=False)[0]["val_loss"] > 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
