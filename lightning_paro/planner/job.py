@@ -25,7 +25,7 @@ from lightning_paro.planner.report import describe_links
 from lightning_paro.planner.sizes import format_bytes
 from lightning_paro.planner.workload import workload_from_module
 from lightning_paro.strategy.levels import VALID_STRATEGIES
-from lightning_paro.strategy.options import OptionError, is_count
+from lightning_paro.options_base import OptionError, is_count
 from lightning_paro.strategy.transitions import EXACT, CommDtypes
 
 

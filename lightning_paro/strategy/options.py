@@ -1,7 +1,9 @@
 """The options of :class:`~lightning_paro.PaROStrategy`: each one's default and its validation, stated once.
 
 :class:`PaROOptions` holds the library's defaults and refuses a value that cannot work with an :class:`OptionError`
-naming the option and what to pass instead. ``PaROStrategy`` validates its arguments through it; the command line's
+naming the option and what to pass instead, and an option that would change nothing in the configuration given (the
+options of ``sharding="auto"`` with a fixed sharding, ``gather`` or ``prefetch`` where the parameters are never
+sharded, ...: :meth:`PaROOptions.check_applies`) the same way. ``PaROStrategy`` validates its arguments through it; the command line's
 ``strategy`` node (``lightning_paro.cli.schema.ParoStrategyConfig``) takes its defaults from it (overriding two, with
 the reason) and reports its errors under ``strategy.<key>``. The options of ``sharding="auto"`` are
 :class:`~lightning_paro.planner.AutoConfig`, which validates itself the same way.
@@ -17,7 +19,8 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_paro.comm.quantize import SCHEMES
-from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
+from lightning_paro.options_base import OptionError, is_count
+from lightning_paro.strategy.levels import VALID_STRATEGIES, Level, ShardingSpec
 from lightning_paro.strategy.transitions import CommDtypes
 
 if TYPE_CHECKING:
@@ -34,14 +37,6 @@ COMM_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch
 """The dtypes parameters and gradients may travel in, by the names the options accept (or the torch dtypes)."""
 
 
-class OptionError(ValueError):
-    """An option value that cannot work; ``option`` names it, the message says what to pass instead."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(message)
-        self.option = option
-
-
 def comm_dtype(option: str, value: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     """``param_dtype`` or ``reduce_dtype`` as a torch dtype (None: the buffer's own)."""
     if value is None:
@@ -52,11 +47,6 @@ def comm_dtype(option: str, value: Union[str, torch.dtype, None]) -> Optional[to
         return COMM_DTYPES[value.lower()]
     raise OptionError(option, f"{option} must be 'bf16', 'fp32' (torch.bfloat16, torch.float32) or None (the"
                               f" parameters' own dtype), got {value!r}.")
-
-
-def is_count(value: Any, least: int) -> bool:
-    """Whether ``value`` is an integer (not a bool) of at least ``least``."""
-    return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
 
 @dataclass(frozen=True)
@@ -176,6 +166,29 @@ class PaROOptions:
         if self.error_feedback and self.inter_quant is None:
             raise OptionError("error_feedback", "error_feedback carries quantization errors over: it needs"
                                                 " inter_quant='int8'.")
+        self.check_applies()
+
+    def check_applies(self) -> None:
+        """Refuses an option given a value other than its default where the configuration never reads it, naming the
+        option and the fix: nothing is ignored without a word. Under ``sharding="auto"`` every option may apply
+        (the plan may pick any strategy)."""
+        spec = self.spec
+        if spec is None:
+            return
+        if self.auto is not None:
+            raise OptionError("auto", f"auto (AutoConfig) configures sharding='auto' only; with sharding"
+                                      f" {spec.name!r} it would be ignored: drop auto=, or pass sharding='auto' to"
+                                      " let the strategy choose.")
+        if spec.params == Level.N:
+            if self.gather != PaROOptions.gather:
+                raise OptionError("gather", f"gather applies where parameters are sharded (P = I or G); under"
+                                            f" {spec.name} every rank holds the whole model already: drop gather=.")
+            if self.prefetch != PaROOptions.prefetch:
+                raise OptionError("prefetch", f"prefetch gathers sharded parameters ahead of use (P = I or G);"
+                                              f" under {spec.name} nothing is gathered: drop prefetch=.")
+        if spec.name == "NNN" and self.param_dtype is not None:
+            raise OptionError("param_dtype", "param_dtype sets the dtype parameters travel in; under NNN no"
+                                             " parameter is sent (nothing is sharded): drop param_dtype=.")
 
     @property
     def is_auto(self) -> bool:

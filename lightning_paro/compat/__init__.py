@@ -5,7 +5,8 @@ Code elsewhere calls these names (as ``compat.NAME``, so a test can patch them) 
 The package also relies on a few private (underscore) or undocumented APIs of torch and Lightning, which a release
 may rename without notice. They are listed in :data:`PRIVATE_APIS`, each with a probe; :func:`check_private_apis`
 fails with one message naming every one the installed versions lack, where the package uses it, and the versions
-it was tested with. ``python -m lightning_paro.compat`` prints the table.
+it was tested with. ``python -m lightning_paro.compat`` prints the table (``__main__.py``: a package, so that running
+it after the package's own import of this module is not a second copy of it, which Python warns about).
 """
 
 from __future__ import annotations
@@ -193,7 +194,3 @@ def main() -> int:
     for api in PRIVATE_APIS:
         print(f"  {'MISSING' if api.name in missing else 'ok':7s} [{api.area}] {api.name}")
     return 1 if missing else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
