@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 from lightning_paro.planner.choose import DEFAULT_MEMORY_BUDGET, Plan, plan
 from lightning_paro.planner.cost_model import fastest_chunk_bytes
@@ -27,6 +27,8 @@ from lightning_paro.planner.workload import workload_from_module
 from lightning_paro.strategy.levels import VALID_STRATEGIES
 from lightning_paro.options_base import OptionError, is_count
 from lightning_paro.strategy.transitions import EXACT, CommDtypes
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ class AutoConfig:
     """Start with this strategy (e.g. "NNN") instead of the start-up plan's choice; the re-plan then judges it."""
     strategies: tuple[str, ...] | None = None
     """The strategies to choose among; None: all 14."""
+    deterministic: bool | None = None
+    """Reproducible auto: plan once from the start-up probe and never switch strategy on measured timings (no re-plan
+    on the steps' times, no trial; a strategy that does not fit the first step's activations is still replaced).
+    None: follow ``Trainer(deterministic=True)`` (torch's deterministic-algorithms setting when fit starts)."""
 
     def __post_init__(self) -> None:
         budget = self.memory_budget
@@ -122,8 +128,20 @@ class AutoConfig:
         if not isinstance(self.link_cache, bool):
             raise OptionError("link_cache", f"link_cache must be True (reuse links measured earlier once checked) or"
                                             f" False (probe every time), got {self.link_cache!r}.")
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise OptionError("deterministic", f"deterministic must be True (no switch on measured timings), False or"
+                                               f" None (follow Trainer(deterministic=...)), got {self.deterministic!r}.")
         if not is_count(self.probe_bytes, 1):
             raise OptionError("probe_bytes", f"probe_bytes must be a positive number of bytes, got {self.probe_bytes!r}.")
+
+    def reproducible(self) -> bool:
+        """Whether this fit plans reproducibly (:attr:`deterministic`, or, when None, ``Trainer(deterministic=True)``,
+        which turns on torch's deterministic algorithms)."""
+        if self.deterministic is not None:
+            return self.deterministic
+        import torch
+
+        return torch.are_deterministic_algorithms_enabled()
 
 
 def _strategy_name(name, option: str) -> str:
@@ -239,13 +257,15 @@ class JobReplanner:
         excluded_storages: storages that hold parameters, not activations.
         group: the process group of every rank (the measurements are agreed over it).
         prefetch: the strategy's ``prefetch``.
-        steps_left: optimizer steps the fit has left after the one just made (the same on every rank); None: not
-            known, as many as needed.
+        steps_left: optimizer steps the fit has left after the one just made (each rank's own count: the first
+            rank's decides); None: not known, as many as needed.
+        reproducible: no re-plan on measured timings (:meth:`AutoConfig.reproducible`): after the first step's
+            activation check, which replaces the strategy in use only when it does not fit, the replanner is done.
     """
 
     def __init__(self, config: AutoConfig, start_plan: Plan, current: str, device, waited, traffic,
                  excluded_storages, group=None, prefetch: int = 1,
-                 steps_left: Callable[[], float] | None = None) -> None:
+                 steps_left: Callable[[], float] | None = None, reproducible: bool = False) -> None:
         import torch
 
         self.config = config
@@ -264,6 +284,7 @@ class JobReplanner:
         self._given_activations = start_plan.workload.micro_batch_activation_bytes > 0
         self._given_compute = config.micro_step_seconds is not None or start_plan.compute.flops_per_second is not None
         self._steps_left = steps_left
+        self._reproducible = reproducible
         self.tried: str | None = None
         """The strategy tried after the re-plan, if one was."""
         self._trial: tuple[str, float] | None = None
@@ -281,7 +302,12 @@ class JobReplanner:
 
     def end_step(self) -> Decision | None:
         """After an optimizer step (collective after the first step and after the last measured one, a trial's too):
-        the decision of a re-plan or trial this step completes, else None."""
+        the decision of a re-plan or trial this step completes, else None.
+
+        Every decision is the first rank's, broadcast (:meth:`_first_rank_says`): a switch is collective, and what
+        leads to it may differ between ranks (the steps a rank's own dataloader has left decide a trial; a rank's
+        arithmetic on the agreed figures could round otherwise), so ranks that decided on their own could part ways
+        and hang in the switch."""
         if self.finished:
             return None
         self.recorder.end_step()
@@ -294,31 +320,51 @@ class JobReplanner:
                                  activation_bytes=activations,
                                  note=f"activations {format_bytes(activations)} per micro-batch, measured on the first"
                                       " step")
-                if not checked.candidate(self.current).fits:
+                fit = None if checked.candidate(self.current).fits else decide(checked, self.current, math.inf)
+                checked, fit = self._first_rank_says((checked, fit))
+                if fit is not None:
                     self.plan = checked
-                    return decide(checked, self.current, math.inf)
+                    self.finished = self._reproducible
+                    return fit
+            if self._reproducible:  # no re-plan on measured timings
+                self.finished = True
+                return None
         if not self.recorder.done:
             return None
         figures = agree(self.recorder.figures(), self._group, reduce_on)
-        self.figures = figures
         if self._trial is not None:  # the trial's steps are measured: keep the faster
-            self.finished = True
             before, before_seconds = self._trial
-            return settle_trial(before, before_seconds, self.current, figures.step_seconds,
-                                self.plan.candidate(self.current).prediction.step_seconds)
-        self.plan = replan(self.plan, self.config.memory_budget, self._prefetch, self.config.strategies,
-                           micro_step_seconds=None if self._given_compute else figures.micro_step_seconds,
-                           activation_bytes=None if self._given_activations else figures.activation_bytes,
-                           note=f"re-planned with {figures.describe()}")
-        decision = decide(self.plan, self.current, self.config.replan_margin, figures.step_seconds)
+            self.figures, settled = self._first_rank_says((figures, settle_trial(
+                before, before_seconds, self.current, figures.step_seconds,
+                self.plan.candidate(self.current).prediction.step_seconds)))
+            self.finished = True
+            return settled
+        new_plan = replan(self.plan, self.config.memory_budget, self._prefetch, self.config.strategies,
+                          micro_step_seconds=None if self._given_compute else figures.micro_step_seconds,
+                          activation_bytes=None if self._given_activations else figures.activation_bytes,
+                          note=f"re-planned with {figures.describe()}")
+        decision = decide(new_plan, self.current, self.config.replan_margin, figures.step_seconds)
         steps = self.config.replan_after_steps
-        tried = None if decision.switch_to is not None else trial_candidate(self.plan, self.current,
-                                                                             self.config.trial_margin)
+        tried = None if decision.switch_to is not None else trial_candidate(
+            new_plan, self.current, self.config.trial_margin)
         if tried is not None and self._steps_left is not None and self._steps_left() < 2 * steps:
             tried = None  # too few steps left for the trial and as many again after it: it could not pay back
+        self.figures, self.plan, decision, tried = self._first_rank_says((figures, new_plan, decision, tried))
         if tried is None:
             self.finished = True
             return decision
-        self._trial, self.tried = (self.current, figures.step_seconds), tried
+        self._trial, self.tried = (self.current, self.figures.step_seconds), tried
         self.recorder = self._recorder()
         return start_trial(decision, self.plan, self.current, tried, steps)
+
+    def _first_rank_says(self, outcome: T) -> T:
+        """Collective: ``outcome`` as the group's first rank computed it, on every rank."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return outcome
+        holder = [outcome]
+        src = dist.get_global_rank(self._group, 0) if self._group is not None else 0
+        dist.broadcast_object_list(holder, src=src, group=self._group,
+                                   device=self._device if self._device.type == "cuda" else None)
+        return holder[0]

@@ -1,10 +1,13 @@
-"""The plan as text: the candidate table (aligned or markdown) and one-line link and cluster descriptions for the
-log. It reads the plan (``choose.py``); the planning never reads it back (byte counts as text: ``sizes.py``).
+"""The plan as text: the candidate table (aligned or markdown), one-line link and cluster descriptions for the log,
+and the plan as plain data for a run's outputs (:func:`plan_record`). It reads the plan (``choose.py``); the planning
+never reads it back (byte counts as text: ``sizes.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 from lightning_paro.planner.choose import Plan
 from lightning_paro.planner.inputs import Cluster, Link
@@ -61,3 +64,20 @@ def describe_cluster(cluster: Cluster) -> str:
             f"{describe_links(cluster.intra, cluster.inter)}; reduce-scatter {cluster.reduce_scatter_factor:.2f}x"
             f" an all-gather; HO-Ring phases {cluster.hierarchical_factor:.2f}x the links' time, chunks of"
             f" {cluster.chunk_bytes / 2**20:.4g} MiB")
+
+
+def plan_record(result: Plan) -> dict[str, Any]:
+    """The plan as plain data (JSON-ready but for dtypes, which ``json.dumps(..., default=str)`` writes by name): the
+    choice and its reason, the budget, where each figure came from (``notes``), every figure the cost model used
+    (``workload``, ``cluster``, ``compute``) and every candidate's prediction (step time term by term, memory in
+    all and by part, traffic)."""
+    return {
+        "choice": result.choice, "reason": result.reason, "budget_bytes": result.budget_bytes,
+        "notes": list(result.notes), "workload": dataclasses.asdict(result.workload),
+        "cluster": dataclasses.asdict(result.cluster), "compute": dataclasses.asdict(result.compute),
+        "candidates": [{"strategy": c.strategy, "fits": c.fits, "why": c.why,
+                        "step_seconds": c.prediction.step_seconds, "memory_bytes": c.prediction.memory.total,
+                        "terms": dataclasses.asdict(c.prediction.terms),
+                        "memory": dataclasses.asdict(c.prediction.memory),
+                        "traffic": dataclasses.asdict(c.prediction.traffic)} for c in result.candidates],
+    }

@@ -1,19 +1,30 @@
-"""``sharding="auto"`` over a strategy's life: the start-up plan, the re-planner during ``fit``, and the switches it
-makes in place. The strategy (``strategy.py``) calls it from its hooks; the planning itself is the planner's
-(``lightning_paro.planner``) and the resharding ``reshard.py``'s.
+"""``sharding="auto"`` over a strategy's life: the start-up plan, the re-planner during ``fit``, the switches it
+makes in place, and the run's record of them (:data:`RECORD_FILE`). The strategy (``strategy.py``) calls it from its
+hooks; the planning itself is the planner's (``lightning_paro.planner``) and the resharding ``reshard.py``'s.
+
+Every decision that leads to a collective is rank 0's, taken by every rank: the start-up plan is broadcast whole, and
+the re-planner broadcasts each decision it makes (``JobReplanner.end_step``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import time
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_paro.planner import AutoConfig, Plan, format_plan, plan_for_job
 from lightning_paro.planner.job import JobReplanner
 from lightning_paro.planner.replan import Switch
+from lightning_paro.planner.report import plan_record
+
+RECORD_FILE = "paro_auto.json"
+"""The run's record of ``sharding="auto"`` (:meth:`AutoSession.record`), written by rank 0 into the Trainer's
+``log_dir`` when the Trainer has a logger, after the start-up plan and after every re-plan, trial and switch."""
 
 
 class AutoSession:
@@ -30,6 +41,14 @@ class AutoSession:
         self.replanner: Optional[JobReplanner] = None
         self.replans: list[dict[str, Any]] = []
         """Each re-plan: after which step, the strategy in use, its measured and predicted step time, the decision."""
+        self.start_plan: Optional[Plan] = None
+        """The plan made at start-up (:attr:`plan` is the latest)."""
+        self.current: Optional[str] = None
+        """The strategy in use."""
+        self.reproducible = False
+        """Whether this fit plans reproducibly (:meth:`AutoConfig.reproducible`): no switch on measured timings."""
+        self.record_dir: Optional[Path] = None
+        """Where :data:`RECORD_FILE` is written (None: nowhere; :meth:`record` still holds it)."""
 
     def plan_at_setup(self, module, optimizers: list, topology, device, accumulation: int, ranks_on_host: int,
                       units, prefetch: int, chunk_bytes: Optional[int], comm, broadcast: Callable[[Any], Any]) -> str:
@@ -39,27 +58,67 @@ class AutoSession:
                               ranks_on_host=ranks_on_host, units=units, prefetch=prefetch, config=self.config,
                               chunk_bytes=chunk_bytes, comm=comm)
         first = self.config.first_plan
-        if result.choice is None and first is None:
+        # rank 0's plan on every rank: the re-plans start from it, and a switch they decide on is collective
+        result, name = broadcast((result, first or result.choice))
+        if name is None:
             raise RuntimeError(f"sharding='auto' found no strategy that fits: {result.reason}")
-        name = broadcast(first or result.choice)
-        self.plan = result
+        self.plan = self.start_plan = result
+        self.current = name
         self.plan_seconds = time.perf_counter() - started
+        self.reproducible = self.config.reproducible()
         forced = f" (AutoConfig.first_plan; the plan's choice: {result.choice})" if first else ""
-        rank_zero_info(f"PaRO sharding='auto' chose {name}{forced}\n{format_plan(result)}")
+        rank_zero_info(f"PaRO sharding='auto' chose {name}{forced}{self._reproducible_note()}\n{format_plan(result)}")
         return name
 
+    def _reproducible_note(self) -> str:
+        if not self.reproducible:
+            return ""
+        return ("; reproducible (deterministic): planned from the start-up probe's figures, which are timings and may"
+                " differ from run to run (AutoConfig.first_plan fixes the start), and never switched on"
+                " measured timings: no re-plan on the steps' times and no trial; only a strategy that does not fit"
+                " the first step's activations is replaced")
+
     def start_fit(self, current: str, device, waited: Callable[[], float], traffic: Callable[[], tuple[float, float]],
-                  module, group, prefetch: int, manual: bool, steps_left: Optional[Callable[[], float]] = None) -> None:
+                  module, group, prefetch: int, manual: bool, steps_left: Optional[Callable[[], float]] = None,
+                  record_dir: Optional[str | Path] = None) -> None:
         """At the start of fit: measure the first optimizer steps for the re-plans (not under manual optimization,
         whose steps the strategy does not see, nor with ``replan_after_steps=0``). ``steps_left``: the optimizer steps
-        the fit has left after the one just made (a trial runs only if it can pay back)."""
+        the fit has left after the one just made (a trial runs only if it can pay back; rank 0's count decides).
+        ``record_dir``: where rank 0 writes :data:`RECORD_FILE` (None: nowhere)."""
         self.replanner = None
+        self.current = current
+        self.reproducible = self.config.reproducible()
+        self.record_dir = Path(record_dir) if record_dir is not None else None
+        self._write_record()
         if self.plan is None or not self.config.replan_after_steps or manual:
             return
         self.replanner = JobReplanner(
             self.config, self.plan, current, device, waited=waited, traffic=traffic, prefetch=prefetch, group=group,
-            steps_left=steps_left,
+            steps_left=steps_left, reproducible=self.reproducible,
             excluded_storages=lambda: {p.untyped_storage().data_ptr() for p in module.parameters()})
+
+    def record(self) -> dict[str, Any]:
+        """The run's record: the strategy chosen at start-up and the one in use, whether the fit planned reproducibly,
+        the start-up and latest plans with every figure they used (``planner.report.plan_record``), and every
+        re-plan and switch."""
+        return {
+            "strategy_chosen": self.start_plan.choice if self.start_plan is not None else None,
+            "first_plan": self.config.first_plan, "strategy_in_use": self.current,
+            "reproducible": self.reproducible, "plan_seconds": self.plan_seconds,
+            "config": dataclasses.asdict(self.config),
+            "start_plan": plan_record(self.start_plan) if self.start_plan is not None else None,
+            "plan": plan_record(self.plan) if self.plan is not None else None,
+            "replans": self.replans, "switches": [dataclasses.asdict(s) for s in self.switches],
+        }
+
+    @rank_zero_only
+    def _write_record(self) -> None:
+        if self.record_dir is None:
+            return
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        staged = self.record_dir / f".{RECORD_FILE}.partial"
+        staged.write_text(json.dumps(self.record(), indent=1, default=str))
+        staged.replace(self.record_dir / RECORD_FILE)  # a reader never sees half a record
 
     def forward(self) -> ContextManager[None]:
         """Around a micro-step's forward."""
@@ -101,9 +160,10 @@ class AutoSession:
                 previous, started = planner.current, time.perf_counter()
                 switch(decision.switch_to)
                 seconds = time.perf_counter() - started
-                planner.current = decision.switch_to
+                planner.current = self.current = decision.switch_to
                 self.switches.append(Switch(step, previous, decision.switch_to, decision.reason, seconds))
                 rank_zero_info(f"PaRO sharding='auto' switched from {previous} to {decision.switch_to} after step"
                                f" {step} in {seconds:.3g} s: {decision.reason}")
+            self._write_record()
         if planner.finished:
             self.replanner = None

@@ -267,7 +267,8 @@ class PaROStrategy(ParallelStrategy):
                                          traffic=lambda: sent(meter), module=self.lightning_module,
                                          group=self.topology.groups.world, prefetch=self._prefetch,
                                          manual=self._manual is not None,
-                                         steps_left=lambda: _steps_left(trainer))
+                                         steps_left=lambda: _steps_left(trainer),
+                                         record_dir=trainer.log_dir if trainer.loggers else None)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -1,0 +1,19 @@
+"""sharding="auto"'s re-planning decisions are rank 0's on every rank: two processes whose fits have different steps
+left (and different step times) still take the same decisions, trial included, and finish (no hang)."""
+
+import json
+
+import pytest
+from launch import launch
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_steps_left_take_rank_0s_decisions(tmp_path):
+    launch("replan_agree.py", 2, str(tmp_path), timeout=90)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["decisions"] == ranks[1]["decisions"]
+    assert ranks[0]["step_seconds"] == ranks[1]["step_seconds"]
+    # rank 0 has steps left for a trial (rank 1, alone, would have decided against one)
+    trial = [d for d in ranks[0]["decisions"] if d is not None and "a trial of NGG" in d[1]]
+    assert len(trial) == 1 and trial[0][0] == "NGG"
+    assert ranks[0]["tried"] == ranks[1]["tried"] == "NGG"
