@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning_paro.cli import targets
@@ -68,6 +69,48 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("bench.eval_batches", f"{cfg.bench.eval_batches} must be 0 (no evaluation) or more")
     if not cfg.run.dir:
         raise ConfigError("run.dir", "must name an output directory")
+    resume_path(cfg)
+
+
+LAST = "last"
+"""``ckpt_path=last``: the run's newest ``last*.ckpt``."""
+
+
+def checkpoint_dirs(cfg: Config) -> list[Path]:
+    """Where the run's checkpoints are: the ``dirpath`` of every ModelCheckpoint among the callbacks, and
+    ``run.dir/checkpoints`` (the ``checkpoint`` callbacks option's)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found = []
+    for node in cfg.callbacks.values():
+        if not targets.is_target_node(node) or not node.get("dirpath"):
+            continue
+        target = targets.locate("callbacks", node["_target_"])
+        if inspect.isclass(target) and issubclass(target, ModelCheckpoint):
+            found.append(Path(node["dirpath"]).expanduser())
+    found.append(Path(cfg.run.dir) / "checkpoints")
+    return [d if d.is_absolute() else Path.cwd() / d for d in dict.fromkeys(found)]
+
+
+def resume_path(cfg: Config) -> Optional[Path]:
+    """The checkpoint ``fit`` resumes from (``ckpt_path``), absolute; None: none. A path that does not exist, or
+    ``last`` with no last checkpoint in :func:`checkpoint_dirs`, is a ConfigError."""
+    if cfg.ckpt_path is None:
+        return None
+    if cfg.ckpt_path == LAST:
+        dirs = checkpoint_dirs(cfg)
+        candidates = [p for d in dirs if d.is_dir() for p in d.glob("last*.ckpt")]
+        if not candidates:
+            raise ConfigError("ckpt_path", f"last: no last*.ckpt in {', '.join(str(d) for d in dirs)}; a fit with"
+                                           " callbacks=checkpoint (ModelCheckpoint save_last) writes one there, or"
+                                           " give the checkpoint's path")
+        return max(candidates, key=lambda p: p.stat().st_mtime)
+    path = Path(cfg.ckpt_path).expanduser()
+    path = path if path.is_absolute() else Path.cwd() / path
+    if not path.exists():
+        raise ConfigError("ckpt_path", f"{path} does not exist; give a checkpoint file or sharded directory, last"
+                                       " (the run's last checkpoint), or null to start afresh")
+    return path
 
 
 def trainer_parameters() -> dict[str, inspect.Parameter]:

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 import lightning as L
 from lightning_paro.cli.build import build_data, build_model, build_trainer, strategy_label
+from lightning_paro.cli.checks import resume_path
 from lightning_paro.cli.schema import Config, ConfigError
 from lightning_paro.strategy.checkpoint import read_full
 
@@ -56,6 +57,7 @@ def config_yaml(cfg: Config) -> str:
     from lightning_paro.predict.db import redact_url
 
     plain = dataclasses.asdict(cfg)
+    del plain["left_out"]  # a report of the composition, not a setting
     if plain["predict"].get("ledger"):
         plain["predict"]["ledger"] = redact_url(plain["predict"]["ledger"])
     return OmegaConf.to_yaml(OmegaConf.create(plain))
@@ -182,7 +184,8 @@ class FitReport(L.Callback):
 
 
 def fit(cfg: Config) -> None:
-    """Train, save the weights to run.dir/weights.ckpt and the composed config to run.dir/config.yaml, report in
+    """Train (resumed from ``ckpt_path`` when set), save the weights to run.dir/weights.ckpt (a file or a sharded
+    directory, as strategy.state_dict_type says) and the composed config to run.dir/config.yaml, report in
     run.dir/summary.json."""
     run_dir = Path(cfg.run.dir)
     model = build_model(cfg)
@@ -192,7 +195,8 @@ def fit(cfg: Config) -> None:
     trainer = build_trainer(cfg, callbacks=[losses, FitReport(cfg, losses)])
     if trainer.global_rank == 0:
         (run_dir / CONFIG_FILE).write_text(config_yaml(cfg))
-    trainer.fit(model, **data.fit_kwargs())
+    resume = resume_path(cfg)
+    trainer.fit(model, ckpt_path=str(resume) if resume is not None else None, **data.fit_kwargs())
     ckpt = run_dir / WEIGHTS_FILE
     trainer.save_checkpoint(ckpt, weights_only=True)  # collective under sharding strategies: every rank calls it
     if trainer.global_rank == 0:
@@ -200,7 +204,9 @@ def fit(cfg: Config) -> None:
         if stale.exists():  # scores of the previous weights would be read back as if they were of these
             shutil.rmtree(stale)
             print(f"removed {stale} (predictions of the previous weights)")
-        print(f"checkpoint: {ckpt}\nsummary: {run_dir / SUMMARY_FILE}", flush=True)
+        sharded = (f" (a sharded directory; one file for load_from_checkpoint: python -m lightning_paro.convert"
+                   f" {ckpt} {ckpt.with_name('weights_full.ckpt')})" if ckpt.is_dir() else "")
+        print(f"checkpoint: {ckpt}{sharded}\nsummary: {run_dir / SUMMARY_FILE}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------- predict

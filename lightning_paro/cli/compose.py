@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from lightning_paro.cli import targets
@@ -52,7 +52,7 @@ LAUNCH_TIME_ENV = "LIGHTNING_PARO_LAUNCH_TIME"
 
 SETTINGS_SCHEMAS: dict[str, type] = {"predict": PredictConfig, "bench": BenchConfig, "run": RunConfig}
 """Top-level key -> its dataclass (``strategy`` is chosen by ``strategy.name``, see ``STRATEGY_SCHEMAS``)."""
-TOP_LEVEL_KEYS = ("strategy", *TARGET_GROUPS, "trainer", *SETTINGS_SCHEMAS)
+TOP_LEVEL_KEYS = ("strategy", *TARGET_GROUPS, "trainer", *SETTINGS_SCHEMAS, "ckpt_path")
 
 
 
@@ -240,14 +240,15 @@ def _compose(overrides: Sequence[str]) -> DictConfig:
 
 def load_config(overrides: Sequence[str], config_dirs: Sequence[Path] = (), cwd: Optional[Path] = None) -> Config:
     """The checked configuration for ``overrides``, with ``run.dir`` made absolute against ``cwd``."""
-    cfg = to_config(compose_raw(overrides, config_dirs, cwd))
+    cfg = to_config(compose_raw(overrides, config_dirs, cwd), overrides)
     check_config(cfg)
     return cfg
 
 
-def to_config(raw: DictConfig) -> Config:
+def to_config(raw: DictConfig, overrides: Sequence[str] = ()) -> Config:
     """Each top-level node into its place: dataclasses for the settings (unknown keys and wrong types become
-    ConfigError), plain dicts for the ``_target_`` groups and the trainer."""
+    ConfigError), plain dicts for the ``_target_`` groups and the trainer. ``overrides``: the command line's, which
+    tell the strategy keys a user gave from those config files set (:func:`_keys_of_other_strategies`)."""
     for key in raw.keys():
         if key not in TOP_LEVEL_KEYS:
             hint = (" (an experiment file must start with `# @package _global_`)" if key == "experiment"
@@ -262,7 +263,13 @@ def to_config(raw: DictConfig) -> Config:
             f"{name!r} is not a strategy schema; use one of {', '.join(STRATEGY_SCHEMAS)} (normally set by"
             " choosing strategy=paro, strategy=ddp, strategy=fsdp2 or strategy=hsdp)",
         )
+    left_out = _keys_of_other_strategies(strategy_node, STRATEGY_SCHEMAS[name], overrides)
     parts["strategy"] = _typed("strategy", STRATEGY_SCHEMAS[name], strategy_node)
+    parts["left_out"] = left_out
+    ckpt_path = raw.get("ckpt_path")
+    if ckpt_path is not None and not (isinstance(ckpt_path, str) and ckpt_path.strip()):
+        raise ConfigError("ckpt_path", f"{ckpt_path!r} must be a checkpoint path, last, or null")
+    parts["ckpt_path"] = ckpt_path
     for key, schema in SETTINGS_SCHEMAS.items():
         parts[key] = _typed(key, schema, raw.get(key))
     parts["model"] = _plain("model", raw.get("model"), default={})
@@ -271,6 +278,24 @@ def to_config(raw: DictConfig) -> Config:
     parts["callbacks"] = _plain("callbacks", raw.get("callbacks"), default={})
     parts["logger"] = _plain("logger", raw.get("logger"), default={})
     return Config(**parts)
+
+
+def _keys_of_other_strategies(node: DictConfig, schema: type, overrides: Sequence[str]) -> tuple[str, ...]:
+    """The rule that lets one experiment run under every strategy (``bench -m experiment=X strategy=paro_iig,ddp``):
+    a key of the strategy node that the chosen strategy lacks but another strategy has (``group_size`` under
+    ``ddp``) is meaningful only under that other strategy. Set by a config file, it is taken out of ``node`` and
+    returned as ``strategy.key=value`` (the command reports it); given on the command line, it stays, and the
+    schema refuses it by name."""
+    own = {f.name for f in dataclasses.fields(schema)}
+    others = {f.name for other in STRATEGY_SCHEMAS.values() for f in dataclasses.fields(other)} - own
+    given = {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides}
+    left_out = []
+    for key in [str(k) for k in node.keys()]:
+        if key in others and f"strategy.{key}" not in given:
+            left_out.append(f"strategy.{key}={OmegaConf.to_container(node, resolve=True)[key]}")
+            with open_dict(node):
+                del node[key]
+    return tuple(left_out)
 
 
 def _plain(key: str, node: Any, default: Any) -> Any:

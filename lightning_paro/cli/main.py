@@ -102,11 +102,15 @@ def help_text(config_dirs: Sequence[Path] = ()) -> str:
         f"  {PROG} predict                     # run.dir/weights.ckpt over the data's predict_dataloader",
         f"  {PROG} bench -m strategy=paro_nig,paro_ggg,ddp,fsdp2 trainer=cpu4",
         f"  {PROG} fit --cfg job               # print the composed config",
-        "defaults that differ from PaROStrategy's: strategy.sharding=IIG (library: auto) and"
-        " strategy.state_dict_type=full (library: sharded)",
+        "strategy=paro is PaROStrategy() with its defaults (sharding=auto); strategy=paro_iig pins IIG",
         "every key: docs/config.md",
     ]
     return "\n".join(lines)
+
+
+def _launching_process() -> bool:
+    """Whether this is the process a user started (not a rank Lightning or torchrun started beside it)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 def _under_torchrun() -> bool:
@@ -129,6 +133,13 @@ def run(invocation: Invocation) -> int:
 
         return run_sweep(invocation.command, invocation.overrides, invocation.config_dirs)
     cfg = load_config(invocation.overrides, invocation.config_dirs)
+    if invocation.command != "fit" and cfg.ckpt_path is not None:
+        raise ConfigError("ckpt_path", f"resumes fit only; {invocation.command} does not read it"
+                                       + (" (predict reads predict.checkpoint)" if invocation.command == "predict"
+                                          else "") + ": drop it")
+    if cfg.left_out and _launching_process():
+        print(f"{PROG}: note: strategy={cfg.strategy.name} has no {', '.join(cfg.left_out)} (set by a config file"
+              " for another strategy): left out", flush=True)
     if invocation.print_config:
         from lightning_paro.cli.commands import config_yaml
 

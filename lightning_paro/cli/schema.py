@@ -27,24 +27,21 @@ from lightning_paro.strategy.options import OptionError, PaROOptions
 class ConfigError(ValueError):
     """A configuration value that cannot work; ``key`` is its dotted name, the message says what to do."""
 
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}" if key else message)
+    def __init__(self, key: str, message: str, job: str = "") -> None:
+        text = f"{key}: {message}" if key else message
+        super().__init__(f"{job}: {text}" if job else text)
         self.key = key
         self.message = message
+        self.job = job
+        """The sweep job the error is in (``job 2 of 2 (strategy=ddp)``); empty outside a sweep."""
 
 
 # ---------------------------------------------------------------------------------------------------- strategy
 LIBRARY = PaROOptions()
-"""PaROStrategy's own defaults (:class:`~lightning_paro.strategy.options.PaROOptions`): the strategy node's
-defaults, except the two below."""
+"""PaROStrategy's own defaults (:class:`~lightning_paro.strategy.options.PaROOptions`): the strategy node's defaults,
+every one of them (``strategy=paro`` is ``PaROStrategy()``; the ``paro_xxx`` configs pin a sharding)."""
 AUTO = LIBRARY.auto_config
 """The defaults of ``sharding="auto"``'s options."""
-CLI_SHARDING = "IIG"
-"""The command line's sharding rather than the library's "auto": IIG starts at once, with no start-up link probe
-(strategy.sharding=auto asks for the plan)."""
-CLI_STATE_DICT_TYPE = "full"
-"""The command line's checkpoints rather than the library's "sharded": one file, which torch.load and
-LightningModule.load_from_checkpoint open in one process (predict reads both kinds)."""
 _CLI_KEYS = {"timeout": "timeout_s"}
 """PaROOptions fields the strategy node names differently."""
 
@@ -64,13 +61,14 @@ class ParoStrategyConfig:
 
     Each key is an option of :class:`~lightning_paro.strategy.options.PaROOptions` (or of ``AutoConfig``, for
     ``sharding=auto``), which documents it, gives its default and checks it (:meth:`to_options`); only the form a
-    command line can give differs, as noted.
+    command line can give differs, as noted. A key that the configuration would not read (an ``AutoConfig`` key
+    with a fixed sharding, ``gather`` where parameters are not sharded, ...) is refused by name.
     """
 
     name: str = "paro"
     """Which strategy schema this node uses (set by the config file; selects the strategy class)."""
-    sharding: str = CLI_SHARDING
-    """PaROOptions.sharding; IIG by default here (:data:`CLI_SHARDING`)."""
+    sharding: str = LIBRARY.sharding
+    """PaROOptions.sharding: auto (measure the links, take the fastest that fits) or one of the 14."""
     group_size: Optional[int] = LIBRARY.group_size
     """PaROOptions.group_size; must also divide trainer.devices * trainer.num_nodes."""
     units: Any = LIBRARY.units
@@ -105,8 +103,8 @@ class ParoStrategyConfig:
     """With given bandwidths: the inter-group Link's overlap."""
     log_traffic: bool = LIBRARY.log_traffic
     """PaROOptions.log_traffic."""
-    state_dict_type: str = CLI_STATE_DICT_TYPE
-    """PaROOptions.state_dict_type; full by default here (:data:`CLI_STATE_DICT_TYPE`)."""
+    state_dict_type: str = LIBRARY.state_dict_type
+    """PaROOptions.state_dict_type: sharded (a directory of shards) or full (one file)."""
     gather: str = LIBRARY.gather
     """PaROOptions.gather: auto, full or sharded."""
     start_method: str = LIBRARY.start_method
@@ -138,13 +136,27 @@ class ParoStrategyConfig:
                               trial_margin=self.trial_margin,
                               first_plan=self.first_plan, link_cache=self.link_cache,
                               strategies=tuple(self.strategies) if self.strategies is not None else None)
-            return PaROOptions(sharding=self.sharding, group_size=self.group_size, units=_unit_classes(self.units),
-                               prefetch=self.prefetch, chunk_bytes=self.chunk_bytes, log_traffic=self.log_traffic,
-                               auto=auto, state_dict_type=self.state_dict_type, gather=self.gather,
-                               start_method=self.start_method, process_group_backend=self.process_group_backend,
-                               timeout=timedelta(seconds=self.timeout_s), param_dtype=self.param_dtype,
-                               reduce_dtype=self.reduce_dtype, inter_quant=self.inter_quant,
-                               error_feedback=self.error_feedback)
+        changed = [key for key in AUTO_KEYS if getattr(self, key) != getattr(ParoStrategyConfig, key)]
+        try:
+            with strategy_errors():
+                return PaROOptions(sharding=self.sharding, group_size=self.group_size,
+                                   units=_unit_classes(self.units), prefetch=self.prefetch,
+                                   chunk_bytes=self.chunk_bytes, log_traffic=self.log_traffic,
+                                   # AutoConfig's keys are passed on when they say something (the defaults are
+                                   # PaROStrategy()'s auto=None); PaROOptions refuses them with a fixed sharding
+                                   auto=auto if changed else None,
+                                   state_dict_type=self.state_dict_type, gather=self.gather,
+                                   start_method=self.start_method, process_group_backend=self.process_group_backend,
+                                   timeout=timedelta(seconds=self.timeout_s), param_dtype=self.param_dtype,
+                                   reduce_dtype=self.reduce_dtype, inter_quant=self.inter_quant,
+                                   error_feedback=self.error_feedback)
+        except ConfigError as err:
+            if err.key != "strategy.auto":
+                raise
+            key = changed[0]
+            raise ConfigError(f"strategy.{key}", f"{getattr(self, key)!r} is an option of sharding=auto; with"
+                                                 f" strategy.sharding={self.sharding} it would be ignored: drop it,"
+                                                 " or choose strategy=paro (sharding=auto)") from None
 
     def _link(self, side: str) -> Optional[Link]:
         """The given link of one side (None: the probe measures it); Link checks the overlap even without one."""
@@ -159,6 +171,12 @@ class ParoStrategyConfig:
             return Link.gbit(gbps, overlap=overlap)
         except ValueError as err:
             raise ConfigError(f"strategy.{side}_gbps", f"{gbps} Gbit/s: {err}") from None
+
+
+AUTO_KEYS = ("memory_budget", "micro_step_seconds", "replan_after_steps", "replan_margin", "trial_margin", "first_plan",
+             "link_cache", "strategies", "intra_gbps", "inter_gbps", "intra_overlap", "inter_overlap")
+"""The strategy node's keys that configure ``sharding=auto`` (``AutoConfig``): with a fixed sharding, any of them set
+to another value than its default is an error."""
 
 
 def _unit_classes(names: Any) -> Any:
@@ -318,6 +336,12 @@ class Config:
     """The bench command's settings."""
     run: RunConfig = field(default_factory=RunConfig)
     """Output directory and seed."""
+    ckpt_path: Optional[str] = None
+    """fit: the checkpoint to resume from (a file or a sharded directory), or ``last``: the newest ``last*.ckpt`` of
+    the run's ModelCheckpoint directories; null: start afresh."""
+    left_out: tuple[str, ...] = field(default=(), compare=False)
+    """Keys of another strategy that config files set in the strategy node (an experiment written for PaRO, run with
+    strategy=ddp), left out as ``key=value``; reported, not part of the config."""
 
 
 TARGET_GROUPS = ("model", "data", "callbacks", "logger")

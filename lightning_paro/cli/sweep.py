@@ -63,8 +63,13 @@ def expand_sweep(overrides: Sequence[str]) -> list[tuple[list[str], list[str]]]:
 def plan_sweep(overrides: Sequence[str], config_dirs: Sequence[Path] = ()) -> list[SweepJob]:
     """Every job's overrides and output directory; each job's config is composed and checked before any runs."""
     jobs = []
-    for index, (job_overrides, swept) in enumerate(expand_sweep(overrides)):
-        cfg = load_config(job_overrides, config_dirs)
+    expanded = expand_sweep(overrides)
+    for index, (job_overrides, swept) in enumerate(expanded):
+        try:
+            cfg = load_config(job_overrides, config_dirs)
+        except ConfigError as err:
+            job = f"job {index + 1} of {len(expanded)}" + (f" ({' '.join(swept)})" if swept else "")
+            raise ConfigError(err.key, err.message, job=job) from None
         # the job's directory is given explicitly so its ranks (which re-run its command line) agree on it
         kept = [o for o in job_overrides if o.split("=", 1)[0].lstrip("+") != "run.dir"]
         run_dir = str(Path(cfg.run.dir) / str(index))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import types
+import typing
 from typing import Any, Mapping, Optional, Sequence
 
 from lightning_paro.cli.schema import ConfigError
@@ -124,6 +126,7 @@ def _check_arguments(key: str, target: Any, signature: inspect.Signature, argume
                 listed = ", ".join(p.name for p in named) or "none"
                 raise ConfigError(f"{key}.{name}", f"{_name(target)} takes no argument {name!r}; {hint}its arguments"
                                                    f" are {listed}")
+    _check_types(key, target, arguments)
     if partial:
         return
     by_position = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:positional]
@@ -134,11 +137,60 @@ def _check_arguments(key: str, target: Any, signature: inspect.Signature, argume
                                                  " or set it in the config")
 
 
+def _type_hints(target: Any) -> dict[str, Any]:
+    """The annotations of ``target``'s arguments (its ``__init__``'s for a class), resolved; none when they cannot
+    be (a forward reference the module does not define): nothing is checked then."""
+    try:
+        return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # noqa: BLE001  (annotations are the target's; an unresolvable one is not the user's error)
+        return {}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (a YAML scalar, list or mapping) is of the annotated type, for the types a config value
+    can be told apart by (bool, int, float, str, None and unions of them); any other annotation accepts it."""
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _type_text(hint: Any) -> str:
+    """``int``, ``int or None``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_text(arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _check_types(key: str, target: Any, arguments: Mapping[str, Any]) -> None:
+    """A value of the wrong type for an annotated argument (``model.dim=abc`` for ``dim: int``), named before the
+    target is built."""
+    hints = _type_hints(target)
+    for name, value in arguments.items():
+        if name in hints and not is_target_node(value) and not _fits(value, hints[name]):
+            raise ConfigError(f"{key}.{name}", f"{value!r} is not {_type_text(hints[name])}: {_name(target)} takes"
+                                               f" {name}: {_type_text(hints[name])}")
+
+
 def instantiate(key: str, node: Mapping[str, Any]) -> Any:
     """The object a checked node describes. Nested containers reach it as plain dicts and lists (picklable, as the
     spawn start method needs), unless the node sets ``_convert_`` itself. A ValueError (an argument value the target
-    refuses) or an ImportError (a package it needs is missing) raised by the target becomes a ConfigError naming the
-    key; anything else propagates with its traceback."""
+    refuses), a TypeError (an argument of a type it cannot take, where no annotation told) or an ImportError (a package
+    it needs is missing) raised by the target becomes a ConfigError naming the key; anything else propagates with its
+    traceback."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate as hydra_instantiate
 
@@ -148,7 +200,7 @@ def instantiate(key: str, node: Mapping[str, Any]) -> Any:
         return hydra_instantiate(spec)
     except InstantiationException as exc:
         cause = exc.__cause__
-        if isinstance(cause, (ValueError, ImportError)) and str(cause).strip():
+        if isinstance(cause, (ValueError, TypeError, ImportError)) and str(cause).strip():
             raise ConfigError(key, f"{node['_target_']}: {str(cause).strip().splitlines()[0]}") from cause
         raise
 

@@ -39,7 +39,7 @@ def test_every_strategy_config_composes_and_builds_its_strategy(name):
     strategy = build_strategy(cfg)
     if name.startswith("paro"):
         assert type(strategy) is PaROStrategy
-        assert strategy.sharding.name == ("IIG" if name == "paro" else name[-3:].upper())
+        assert strategy.options.sharding == ("auto" if name == "paro" else name[-3:].upper())
         assert strategy._group_size is None and strategy._start_method == "popen"
     elif name == "ddp":
         assert type(strategy) is DDPStrategy
@@ -51,14 +51,14 @@ def test_every_strategy_config_composes_and_builds_its_strategy(name):
 
 
 def test_every_paro_knob_is_overridable():
-    cfg = load_config(["strategy=paro", "strategy.sharding=nig", "strategy.group_size=2", "strategy.prefetch=0",
+    cfg = load_config(["strategy=paro", "strategy.sharding=iig", "strategy.group_size=2", "strategy.prefetch=0",
                        "strategy.log_traffic=false", "strategy.units=[lightning_paro.demo.model.Block]",
                        "strategy.start_method=spawn", "strategy.process_group_backend=gloo", "strategy.timeout_s=60",
                        "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32", "strategy.inter_quant=int8",
                        *FOUR_CPUS])
     s = build_strategy(cfg)
     assert s.options.comm_dtypes == CommDtypes(torch.bfloat16, torch.float32, "int8")
-    assert s.sharding.name == "NIG" and s._group_size == 2 and s._prefetch == 0 and s._log_traffic is False
+    assert s.sharding.name == "IIG" and s._group_size == 2 and s._prefetch == 0 and s._log_traffic is False
     assert s._units == [Block] and s._start_method == "spawn" and s.process_group_backend == "gloo"
     assert s._timeout == timedelta(seconds=60)
     auto = build_strategy(load_config(["strategy=paro", "strategy.sharding=auto", "strategy.memory_budget=0.5",
@@ -200,6 +200,8 @@ BAD = [
     (["model._target_=nowhere.Model"], "model._target_", "cannot import 'nowhere.Model'"),
     (["model._target_=lightning_paro.demo.StdlibData"], "model._target_", "not a LightningModule"),
     (["+model.widht=3"], "model.widht", "GPTTask takes no argument 'widht'"),
+    (["model.dim=abc"], "model.dim", "'abc' is not int: lightning_paro.demo.task.GPTTask takes dim: int"),
+    (["model.trainable_blocks=x"], "model.trainable_blocks", "'x' is not int or None"),
     (["model.lyers=3"], "model.lyers", "did you mean layers? (its arguments are vocab, seq_len"),
     (["trainer.max_time=1"], "trainer.max_time", "trainer takes max_time but its config has no key for it: add it"
                                                   " with +trainer.max_time=VALUE"),
