@@ -3,9 +3,10 @@ parameters into units and per-unit :class:`FlatGroup` buffers, and handing the o
 
 Pure functions of the module, the optimizers and the strategy: the engine calls them once, in its constructor.
 
-* :func:`check_module` refuses what cannot be sharded (meta, sparse or non-strided parameters, sparse embeddings);
+* :func:`check_module` refuses what cannot be sharded (sparse or non-strided parameters, sparse embeddings);
 * :func:`build_units` puts every parameter into the unit that owns it (a parameter shared by several units into the
-  root unit) and, inside a unit, into one flat group per (optimizer param group, dtype, device);
+  root unit) and, inside a unit, into one flat group per (optimizer param group, dtype, device); a model built on
+  the meta device gets its values there, unit by unit, into this rank's shards (``deferred_init.py``);
 * :func:`adopt_optimizers` rewrites the optimizers' param groups to hold this rank's optimizer shards and marks, per
   parameter, whether it received a gradient.
 """
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_paro.comm.collectives import Communicator
+from lightning_paro.strategy.deferred_init import SOURCE_ATTR, has_meta, initialise
 from lightning_paro.strategy.flat import FlatGroup
 from lightning_paro.strategy.levels import ShardingSpec
 from lightning_paro.strategy.transitions import CommDtypes
@@ -67,6 +69,7 @@ def build_units(module: nn.Module, spec: ShardingSpec, comm: Communicator, optim
         key = (group_of.get(pid) if trainable else None, p.dtype, p.device)
         per_unit[uname].setdefault(key, []).append((name, p))
     untracked = [n for pid, (n, p) in names.items() if optimizers and p.requires_grad and pid not in group_of]
+    pending = {pid for pid, (_n, p) in names.items() if p.is_meta}
     units = []
     modules = dict(unit_mods)
     modules[ROOT] = module
@@ -80,6 +83,10 @@ def build_units(module: nn.Module, spec: ShardingSpec, comm: Communicator, optim
             flat.optimizer_group = gidx
             flats.append(flat)
         units.append(Unit(uname, modules[uname], flats))
+    if pending or has_meta(module):
+        # the root unit is last in `units`, as `initialise` expects
+        initialise(module, [u.module for u in units[:-1]], [u.flats for u in units], pending, comm,
+                   getattr(module, SOURCE_ATTR, None))
     return Built(units, original_param_groups, untracked)
 
 
@@ -139,13 +146,9 @@ def optimizer_group_index(optimizers: list[Optimizer], names: OrderedDict) -> di
 
 
 def check_module(module: nn.Module) -> None:
-    """Refuse a module the engine cannot shard."""
+    """Refuse a module the engine cannot shard. Parameters on the meta device are welcome: :func:`build_units` gives
+    them their values one unit at a time (``deferred_init.py``)."""
     for name, p in module.named_parameters():
-        if p.is_meta:
-            raise ValueError(
-                f"Parameter {name!r} is on the meta device. Materialise the model (e.g. in `configure_model`) before"
-                " the strategy shards it."
-            )
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"Parameter {name!r} is not a dense strided tensor; the PaRO engine shards dense ones.")
     for name, mod in module.named_modules():

@@ -98,13 +98,19 @@ class FlatGroup:
     def __init__(self, slots_in: list[tuple[str, nn.Parameter]], trainable: bool, spec: ShardingSpec,
                  comm: Communicator, master_dtype: torch.dtype | None = None, comm_dtypes: CommDtypes = EXACT,
                  replicated: bool = False) -> None:
+        """``slots_in`` on the meta device (a model built there) make a *deferred* group: its storage is allocated
+        but no values are read or broadcast; :meth:`write_shard` fills this rank's shard and :meth:`end_deferred`
+        completes the set-up (``deferred_init.py`` drives both)."""
         self.spec = spec
         self.comm = comm
         self.trainable = trainable
         self.comm_dtypes = comm_dtypes
         """The dtypes parameters and gradients travel in (``PaROStrategy(param_dtype=..., reduce_dtype=...)``)."""
         first = slots_in[0][1]
-        self.dtype, self.device = first.dtype, first.device
+        self.deferred = first.is_meta
+        """Whether the values are still to be written (:meth:`write_shard`, then :meth:`end_deferred`)."""
+        self.dtype = first.dtype
+        self.device = (comm.device or torch.device("cpu")) if self.deferred else first.device
         offset, slots = 0, []
         for name, p in slots_in:
             slots.append(ParamSlot(name, p, offset, p.shape))
@@ -113,22 +119,26 @@ class FlatGroup:
         self.layout = ShardLayout.of(offset, comm.topology)
         L = self.layout.padded
 
-        # The full buffer holds the current weights; every rank starts from rank 0's (replicas must not diverge),
-        # unless the caller knows they are the same already (``replicated``: a strategy switch in place).
-        full = torch.zeros(L, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for s in slots:
-                full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        if torch.distributed.is_initialized() and comm.topology.world_size > 1 and not replicated:
-            comm.broadcast(full, src=0)  # on the communication thread, like every collective of the strategy
-
         p0, p1 = self.layout.range(spec.params)
-        self.p_local = full if spec.params == Level.N else full[p0:p1].clone()
+        if self.deferred:
+            # Nothing to read: the full buffer never holds values here, only this rank's shard is allocated.
+            full = torch.empty(L, dtype=self.dtype, device=self.device)
+            self.p_local = full.zero_() if spec.params == Level.N else torch.zeros(p1 - p0, dtype=self.dtype,
+                                                                                  device=self.device)
+        else:
+            # The full buffer holds the current weights; every rank starts from rank 0's (replicas must not diverge),
+            # unless the caller knows they are the same already (``replicated``: a strategy switch in place).
+            full = torch.zeros(L, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for s in slots:
+                    full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            if torch.distributed.is_initialized() and comm.topology.world_size > 1 and not replicated:
+                comm.broadcast(full, src=0)  # on the communication thread, like every collective of the strategy
+            self.p_local = full if spec.params == Level.N else full[p0:p1].clone()
         """This rank's persistent parameter storage at level P."""
         self.p_full = full
         """The unsharded parameters; module parameters are views of it. Freed between uses when P != N."""
-        for s in slots:
-            s.param.data = full[s.offset:s.offset + s.numel].view(s.shape)
+        self.view_params()
         self.gathered = True
         if spec.params != Level.N:
             free_storage(full)
@@ -159,10 +169,56 @@ class FlatGroup:
         """The full buffer holds a gather rounded on the wire."""
         self.gather_meter = GatherMeter()
         """Where gathers and frees of ``p_full`` are counted (the engine shares one among its groups)."""
-        if trainable:
+        self._master_dtype = master_dtype
+        if trainable and not self.deferred:
             self._init_trainable(master_dtype)
 
     # ------------------------------------------------------------------ set-up
+    def view_params(self) -> None:
+        """Make every parameter's ``.data`` its slice of the full buffer (the views are made once, while the buffer
+        has its storage: a slice of a freed buffer cannot be taken)."""
+        if not hasattr(self, "_views"):
+            self._views = [self.p_full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        for s, view in zip(self.slots, self._views):
+            if s.param.is_meta:
+                # `.data` cannot move a tensor off the meta device: swap in an empty one in place (the same object),
+                # then set `.data` as for any other (a parameter made from the view would share its version counter)
+                empty = torch.empty(0, dtype=self.dtype, device=self.device)
+                torch.utils.swap_tensors(s.param, nn.Parameter(empty, requires_grad=s.param.requires_grad))
+            s.param.data = view
+
+    def shard_range(self, index: int) -> tuple[int, int] | None:
+        """The elements ``[start, stop)`` of parameter ``index`` (flattened) that this rank's P-level storage holds,
+        or None: what a loader reads for it."""
+        s = self.slots[index]
+        p0, p1 = self.layout.range(self.spec.params)
+        a, b = max(s.offset, p0), min(s.offset + s.numel, p1)
+        return (a - s.offset, b - s.offset) if a < b else None
+
+    def write_shard(self, index: int, values: torch.Tensor) -> None:
+        """Write the elements :meth:`shard_range` names of parameter ``index`` (``values``: those elements, or the
+        whole parameter) into this rank's P-level storage, cast to its dtype and device."""
+        span = self.shard_range(index)
+        if span is None:
+            return
+        a, b = span
+        flat = values.reshape(-1)
+        if flat.numel() == self.slots[index].numel:
+            flat = flat[a:b]
+        elif flat.numel() != b - a:
+            raise ValueError(f"Parameter {self.slots[index].name!r}: {flat.numel()} values given for its"
+                             f" {b - a} elements on this rank (or all {self.slots[index].numel}).")
+        p0 = self.layout.start(self.spec.params)
+        off = self.slots[index].offset + a - p0
+        with torch.no_grad():
+            self.p_local[off:off + b - a].copy_(flat)
+
+    def end_deferred(self) -> None:
+        """A deferred group's shard is written: build what depends on its values (the optimizer shard)."""
+        if self.deferred:
+            self.deferred = False
+            if self.trainable:
+                self._init_trainable(self._master_dtype)
     def _init_trainable(self, master_dtype: torch.dtype | None) -> None:
         spec, L = self.spec, self.layout.padded
         if spec.grads == Level.N:

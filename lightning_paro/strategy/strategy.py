@@ -40,6 +40,7 @@ from lightning_paro.planner import AutoConfig, Plan, agreed_minimum, device_memo
 from lightning_paro.planner.replan import Switch
 from lightning_paro.strategy.auto_session import AutoSession
 from lightning_paro.strategy import checkpoint as ckpt
+from lightning_paro.strategy.deferred_init import move_materialised
 from lightning_paro.strategy.distributed import (
     all_reduce,
     barrier,
@@ -353,7 +354,19 @@ class PaROStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        move_materialised(self.model, self.root_device)  # meta tensors get their values, there, when sharded
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``empty_init=True`` (``trainer.init_module(empty_init=True)``): build on the meta device; set-up gives the
+        model its values one unit at a time, straight into each rank's shards (``deferred_init.py``)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     # ------------------------------------------------------------------ training hooks
     @override
