@@ -222,15 +222,12 @@ class Ledger:
         """The database's clock (Unix seconds): the time every lease expiry is measured against."""
         return float(self.db.query(f"SELECT {self._now}")[0][0])
 
-    def register_worker(self, owner: str, host: str, pid: int, process_space: Optional[str] = None) -> None:
-        """Records a worker and its process; ``process_space`` defaults to this process's (``local_process_space``).
-
-        ``pid`` runs in that space; where it is this process's space, its start time is recorded too, so that a
-        worker in the same space can tell the process has ended (``reclaim_dead_neighbours``).
-        """
-        local = local_process_space()
-        space = local if process_space is None else process_space
-        started = process_started(pid) if space is not None and space == local else None
+    def register_worker(self, owner: str, host: str, pid: int) -> None:
+        """Records a worker whose process ``pid`` runs in this process's space (``local_process_space``), with the
+        pid's start time, so that a worker in the same space can tell when the process has ended
+        (``reclaim_dead_neighbours``)."""
+        space = local_process_space()
+        started = process_started(pid) if space is not None else None
         with self.db.transaction(self.job) as tx:
             for table in ("paro_predict_workers", "paro_predict_processes"):
                 tx.execute(f"DELETE FROM {table} WHERE job = ? AND owner = ?", (self.job, owner))

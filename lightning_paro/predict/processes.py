@@ -41,20 +41,23 @@ def process_gone(pid: int, started: Optional[int]) -> bool:
     """Whether the process ``pid`` that started at ``started`` (ticks since boot) has ended.
 
     A zombie (killed, not yet reaped by its parent) has ended; a pid now held by a process that started at another
-    time is a reused pid, and the original has ended. Without /proc, only whether the pid exists is known.
+    time is a reused pid, and the original has ended. A process that exists but whose details cannot be read (another
+    user's, under a /proc mounted with ``hidepid``; a system without /proc) is taken as running.
     """
-    if _PROC.joinpath("self/stat").exists():
-        stat = _read_stat(pid)
-        if stat is None or stat[0] in ("Z", "X", "x"):
-            return True
-        return started is not None and int(stat[19]) != started
+    if pid <= 0:  # not a process of its own (0 and -1 would name groups of processes)
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:  # it exists, under another user
+        pass
+    stat = _read_stat(pid)
+    if stat is None:
         return False
-    return False
+    if stat[0] in ("Z", "X", "x"):
+        return True
+    return started is not None and int(stat[19]) != started
 
 
 def _read_stat(pid: int) -> Optional[list[str]]:
