@@ -45,6 +45,7 @@ class ElasticPredict(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "predict":
             return
+        check_one_rank(trainer)
         # Lightning warns that it cannot force drop_last=False on a custom batch sampler; ours never drops rows
         warnings.filterwarnings("ignore", message=r".*custom batch sampler `ShardBatchSampler`.*")
         source = compat.predict_data_source(trainer)  # the dataloaders given to trainer.predict, not yet iterated
@@ -113,6 +114,27 @@ class ElasticPredict(Callback):
         if self._module is not None and "predict_step" in self._module.__dict__:
             del self._module.__dict__["predict_step"]
         self._module = None
+
+
+class SeveralRanksError(RuntimeError):
+    """``ElasticPredict`` was set up under a Trainer of several ranks (``devices=k``, ``num_nodes``)."""
+
+
+def check_one_rank(trainer: pl.Trainer) -> None:
+    """Refuses a Trainer of several ranks: each rank leases shards of its own, so ranks run different numbers of
+    forwards (idle waits skip it, a failing batch is bisected on its rank alone), and a strategy whose forward
+    holds collectives (sharded parameters gathered, synchronised batch norm) would wait for a peer that is not
+    there. Independent workers of one device each share the job with no collective at all."""
+    if trainer.world_size <= 1:
+        return
+    raise SeveralRanksError(
+        f"ElasticPredict runs one worker per process, but this Trainer has {trainer.world_size} ranks "
+        f"(strategy {type(trainer.strategy).__name__}), whose collectives would wait for ranks that lease other "
+        f"shards. Run {trainer.world_size} independent workers instead, each with Trainer(devices=1) and the same "
+        f"output_dir, each on a device of its own: e.g. `torchrun --nproc-per-node={trainer.world_size} predict.py` "
+        f"with Trainer(devices=1) in the script, the script started {trainer.world_size} times, or run_replicas (docs/predict.md, Elastic "
+        "workers)."
+    )
 
 
 def _predict_bar(trainer: pl.Trainer) -> Any:

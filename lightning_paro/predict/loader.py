@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_paro.predict.dataset import ElasticCollate, ElasticDataset
 from lightning_paro.predict.sampler import ShardBatchSampler
-from lightning_paro.predict.sources import SourceDataset, SourceLayout, is_sharded_source
+from lightning_paro.predict.sources import SourceDataset, SourceLayout, UnitRetry, is_sharded_source
 
 
 log = logging.getLogger(__name__)
@@ -57,19 +57,21 @@ def sharded_dataloader(
     row_retries: int,
     fetch_threads: Optional[int] = 1,
     layout: Optional[SourceLayout] = None,
+    unit_retry: Optional[UnitRetry] = None,
 ) -> DataLoader:
     """A DataLoader with ``loader``'s reading settings whose batches come from leased shards.
 
     With ``layout`` the dataset is a sharded source, read a unit range at a time instead of row by row; when the
     loader collates with ``default_collate`` (no ``collate_fn`` given) and the source can read a range as a
     batch (``read_batch``), batches are read that way. A ``collate_fn`` of the user's expects rows, so it gets rows.
+    ``unit_retry`` says how a source unit that cannot be read is retried.
     """
     workers = loader.num_workers
     if layout is None:
         dataset = ElasticDataset(loader.dataset, row_retries=row_retries, fetch_threads=fetch_threads)
     else:
         dataset = SourceDataset(loader.dataset, layout, row_retries=row_retries, fetch_threads=fetch_threads,
-                                batched=loader.collate_fn is default_collate)
+                                batched=loader.collate_fn is default_collate, unit_retry=unit_retry)
     return DataLoader(
         dataset,
         batch_sampler=sampler,

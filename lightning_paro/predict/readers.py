@@ -7,18 +7,27 @@ names, so predictions join back to their inputs.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
-from lightning_paro.predict.sources import ShardedSource, SourceUnit
+from lightning_paro.predict.sources import ShardedSource, SourceUnit, UnitReadError, file_fingerprint
+
+log = logging.getLogger(__name__)
 
 PathsLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 DEFAULT_ID_COLUMN = "input_id"
+
+# Row groups up to this many uncompressed bytes are read whole and cached (the batches of one row group then read it
+# once); a larger one is streamed a slice at a time, so a DataLoader worker never holds a large file's row group.
+WHOLE_ROW_GROUP_BYTES = 64 << 20
+_STREAM_BATCH_ROWS = 16_384
 
 # Rows between two remembered byte offsets of a line file: reading a range seeks to the offset before
 # it and skips at most this many lines, so a shard deep in a large file does not rescan it from the top.
@@ -49,6 +58,39 @@ def _expand(paths: PathsLike, suffixes: tuple[str, ...]) -> list[tuple[str, str]
         else:
             raise FileNotFoundError(f"input {item} does not exist")
     return out
+
+
+def _digest(data: Any) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _row_group_digest(meta: Any, group: int) -> str:
+    """A hash of a row group's footer entry: row count, byte sizes, and each column chunk's offsets, sizes,
+    encodings and statistics (min, max, null count), which a rewrite of the same size changes."""
+    return _digest(json.dumps(meta.row_group(group).to_dict(), sort_keys=True, default=str).encode())
+
+
+def _joined_files(files: list, stored: Sequence[SourceUnit], name_of: Callable[[str], str],
+                  unit_for: Callable[[str, str, list], list]) -> list[SourceUnit]:
+    """Units of the listed files for a joining worker: ``unit_for(path, name, stored units of the file)`` for each
+    file, in listing order (a file the job did not store gets no stored units, and so shows as added)."""
+    by_name: dict = {}
+    for unit in stored:
+        by_name.setdefault(name_of(unit.id), []).append(unit)
+    return [u for path, name in files for u in unit_for(path, name, by_name.get(name, []))]
+
+
+_FALLBACKS_LOGGED: set = set()
+_FALLBACKS_LOCK = threading.Lock()
+
+
+def _log_fallback_once(kind: tuple, message: str) -> None:
+    """Logs a fallback to the per-row path once per kind (a column and its type) in this process."""
+    with _FALLBACKS_LOCK:
+        if kind in _FALLBACKS_LOGGED:
+            return
+        _FALLBACKS_LOGGED.add(kind)
+    log.info(message)
 
 
 def _with_id(row: Any, id_column: str, row_id: Any, transform: Optional[Callable]) -> Any:
@@ -108,39 +150,76 @@ class ParquetSource(ShardedSource):
 
         units = []
         for path, name in self.files:
-            meta = pq.ParquetFile(path).metadata
-            size = os.path.getsize(path)
+            try:
+                meta = pq.ParquetFile(path).metadata
+            except Exception as exc:  # a corrupt or truncated footer, a vanished file: name it
+                raise UnitReadError(name, f"{type(exc).__name__}: {exc}") from exc
             first = 0
             for group in range(meta.num_row_groups):
                 rows = meta.row_group(group).num_rows
-                units.append(SourceUnit(f"{name}#{group}", rows, f"size={size}", (path, name, group, first)))
+                fingerprint = file_fingerprint(path, rg=_row_group_digest(meta, group))
+                units.append(SourceUnit(f"{name}#{group}", rows, fingerprint, (path, name, group, first)))
                 first += rows
         return units
+
+    def units_at_join(self, stored: Sequence[SourceUnit]) -> list[SourceUnit]:
+        """The stored row groups of each listed file, with the file's ``stat`` fields; no file is opened."""
+
+        def file_units(path: str, name: str, groups: list) -> list[SourceUnit]:
+            fingerprint = file_fingerprint(path)
+            if not groups:
+                return [SourceUnit(f"{name}#0", 0, fingerprint)]
+            units, first = [], 0
+            for unit in groups:
+                group = int(unit.id.rsplit("#", 1)[1])
+                units.append(SourceUnit(unit.id, unit.rows, fingerprint, (path, name, group, first)))
+                first += unit.rows
+            return units
+
+        return _joined_files(self.files, stored, lambda uid: uid.rsplit("#", 1)[0], file_units)
 
     def row_id(self, unit: SourceUnit, position: int) -> str:
         _, name, _, first = unit.ref
         return f"{name}:{first + position}"
 
-    def _row_group(self, unit: SourceUnit):
-        """The unit's row group as an Arrow table; the last two read stay cached in this process, so the
-        batches of one row group (and the fetch threads of a batch) read it once."""
+    def _columns(self) -> Optional[list]:
+        columns = self.columns
+        if columns is not None and self.key is not None and self.key not in columns:
+            columns = columns + [self.key]
+        return columns
+
+    def _table(self, unit: SourceUnit, start: int, stop: int):
+        """Rows ``[start, stop)`` of the unit's row group as an Arrow table. A row group of up to
+        ``WHOLE_ROW_GROUP_BYTES`` is read whole and the last two stay cached in this process, so the batches of one
+        row group (and the fetch threads of a batch) read it once; a larger one is streamed from a cursor that
+        moves forward through it (``iter_batches``), holding a slice at a time. A failure to open or decode the
+        file is the unit's (``UnitReadError``)."""
         import pyarrow.parquet as pq
 
         if self._lock is None:
             self._lock = threading.Lock()
             self._cache = OrderedDict()
         with self._lock:
-            table = self._cache.get(unit.id)
-            if table is not None:
+            cached = self._cache.get(unit.id)
+            if cached is not None:
                 self._cache.move_to_end(unit.id)
-                return table
         path, _, group, _ = unit.ref
-        columns = self.columns
-        if columns is not None and self.key is not None and self.key not in columns:
-            columns = columns + [self.key]
-        table = pq.ParquetFile(path).read_row_group(group, columns=columns)
+        try:
+            if cached is None:
+                parquet = pq.ParquetFile(path)
+                if parquet.metadata.row_group(group).total_byte_size <= WHOLE_ROW_GROUP_BYTES:
+                    cached = parquet.read_row_group(group, columns=self._columns())
+                else:
+                    cached = _RowGroupCursor(parquet, group, self._columns())
+            if isinstance(cached, _RowGroupCursor):
+                with cached.lock:
+                    table = cached.take(start, stop)
+            else:
+                table = cached.slice(start, stop - start)
+        except Exception as exc:
+            raise UnitReadError(unit.id, f"{type(exc).__name__}: {exc}") from exc
         with self._lock:
-            self._cache[unit.id] = table
+            self._cache[unit.id] = cached
             while len(self._cache) > 2:
                 self._cache.popitem(last=False)
         return table
@@ -153,11 +232,15 @@ class ParquetSource(ShardedSource):
 
         if self.transform is not None:
             return None
-        table = self._row_group(unit).slice(start, stop - start)
+        table = self._table(unit, start, stop)
         batch: dict = {}
         for name, column in zip(table.column_names, table.columns):
             value = _collated_column(column)
             if value is None:
+                reason = "nulls" if column.null_count else "a type not read as columns"
+                _log_fallback_once((type(self).__name__, name, str(column.type), reason),
+                                   f"{type(self).__name__}: column {name!r} ({column.type}) holds {reason}: batches "
+                                   "with it are read row by row")
                 return None
             batch[name] = value
         if self.id_column not in batch:
@@ -170,10 +253,51 @@ class ParquetSource(ShardedSource):
         return batch
 
     def read(self, unit: SourceUnit, start: int, stop: int) -> Iterator[dict]:
-        rows = self._row_group(unit).slice(start, stop - start).to_pylist()
+        rows = self._table(unit, start, stop).to_pylist()
         for offset, row in enumerate(rows):
             row_id = row[self.key] if self.key is not None else self.row_id(unit, start + offset)
             yield _with_id(row, self.id_column, row_id, self.transform)
+
+
+class _RowGroupCursor:
+    """A forward stream through one large row group: rows are decoded a slice at a time, and a read that starts
+    at or after the cursor goes on from it (the batches of a shard come in order); one before it starts again."""
+
+    def __init__(self, parquet: Any, group: int, columns: Optional[list]) -> None:
+        self.parquet, self.group, self.columns = parquet, group, columns
+        self.lock = threading.Lock()
+        self._restart()
+
+    def _restart(self) -> None:
+        self.batches = self.parquet.iter_batches(batch_size=_STREAM_BATCH_ROWS, row_groups=[self.group],
+                                                 columns=self.columns)
+        self.position = 0  # the row of the row group where ``buffer`` starts
+        self.buffer = None
+
+    def take(self, start: int, stop: int) -> Any:
+        import pyarrow as pa
+
+        if start < self.position:
+            self._restart()
+        parts = []
+        while True:
+            if self.buffer is None:
+                batch = next(self.batches, None)
+                if batch is None:
+                    break
+                self.buffer = pa.Table.from_batches([batch])
+            end = self.position + self.buffer.num_rows
+            if end > start:
+                lo = max(start - self.position, 0)
+                parts.append(self.buffer.slice(lo, min(stop, end) - self.position - lo))
+            if end > stop:
+                break
+            self.position, self.buffer = end, None
+            if end == stop:
+                break
+        if not parts:
+            return self.parquet.schema_arrow.empty_table().select(self.columns or self.parquet.schema_arrow.names)
+        return pa.concat_tables(parts)
 
 
 def _collated_column(column: Any) -> Any:
@@ -243,19 +367,38 @@ class _LineSource(ShardedSource):
     def units(self) -> list[SourceUnit]:
         units = []
         for path, name in self.files:
-            offsets, rows, offset = [], 0, 0
-            with open(path, "rb") as f:
-                for line in f:
-                    if line.strip():
-                        if rows % _LINE_INDEX_STRIDE == 0:
-                            offsets.append(offset)
-                        rows += 1
-                    offset += len(line)
-            units.append(SourceUnit(name, rows, f"size={os.path.getsize(path)}", (path, offsets)))
+            rows, offsets, digest = _scan_lines(path)
+            units.append(SourceUnit(name, rows, file_fingerprint(path, blake2b=digest), (path, offsets)))
         return units
+
+    def units_at_join(self, stored: Sequence[SourceUnit]) -> list[SourceUnit]:
+        """The stored row count of each listed file, with its ``stat`` fields; no file is opened (a DataLoader
+        worker indexes the offsets of a file when it first reads it)."""
+
+        def file_unit(path: str, name: str, units: list) -> list[SourceUnit]:
+            rows = units[0].rows if units else 0
+            return [SourceUnit(name, rows, file_fingerprint(path), (path, None))]
+
+        return _joined_files(self.files, stored, lambda uid: uid, file_unit)
+
+    def _offsets(self, path: str) -> list:
+        """The remembered line offsets of a file, indexed once per process (units of a joining worker carry none)."""
+        with _OFFSETS_LOCK:
+            offsets = _OFFSETS.get(path)
+        if offsets is None:
+            _, offsets, _ = _scan_lines(path)
+            with _OFFSETS_LOCK:
+                _OFFSETS[path] = offsets
+        return offsets
 
     def read(self, unit: SourceUnit, start: int, stop: int) -> Iterator[dict]:
         path, offsets = unit.ref
+        if offsets is None:
+            offsets = self._offsets(path)
+        if start >= stop:
+            return
+        if start // _LINE_INDEX_STRIDE >= len(offsets):
+            raise UnitReadError(unit.id, f"it holds fewer than {start + 1} rows: truncated or changed during the job")
         with open(path, "rb") as f:
             f.seek(offsets[start // _LINE_INDEX_STRIDE])
             position = start - start % _LINE_INDEX_STRIDE
@@ -269,6 +412,26 @@ class _LineSource(ShardedSource):
                     row_id = row[self.key] if self.key is not None else self.row_id(unit, position)
                     yield _with_id(row, self.id_column, row_id, self.transform)
                 position += 1
+
+
+_OFFSETS: dict = {}
+_OFFSETS_LOCK = threading.Lock()
+
+
+def _scan_lines(path: str) -> tuple[int, list, str]:
+    """A line file's rows (non-blank lines), the byte offset of every ``_LINE_INDEX_STRIDE``-th row, and a hash of
+    its bytes, in one pass."""
+    offsets, rows, offset = [], 0, 0
+    digest = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as f:
+        for line in f:
+            digest.update(line)
+            if line.strip():
+                if rows % _LINE_INDEX_STRIDE == 0:
+                    offsets.append(offset)
+                rows += 1
+            offset += len(line)
+    return rows, offsets, digest.hexdigest()
 
 
 class JsonlSource(_LineSource):
@@ -311,8 +474,8 @@ class PathSource(ShardedSource):
         read_fn: a picklable function ``read_fn(path) -> dict`` (called in DataLoader workers); a path it
             raises on is isolated as a failed row.
         id_column: the key under which the path is put in each row as its id (default ``"input_id"``).
-        fingerprint: ``fingerprint(path) -> str`` identifying each input's content, checked on resume
-            (default: the size of local files, nothing for URLs).
+        fingerprint: ``fingerprint(path) -> str`` identifying each input's content (an ETag, a hash), checked
+            when the job is resumed (default: the size and modification time of local files, nothing for URLs).
     """
 
     def __init__(
@@ -331,7 +494,15 @@ class PathSource(ShardedSource):
         def identity(path: str) -> str:
             if self.fingerprint is not None:
                 return str(self.fingerprint(path))
-            return f"size={os.path.getsize(path)}" if os.path.isfile(path) else ""
+            return file_fingerprint(path) if os.path.isfile(path) else ""
+
+        return [SourceUnit(path, 1, identity(path)) for path in self.paths]
+
+    def units_at_join(self, stored: Sequence[SourceUnit]) -> list[SourceUnit]:
+        """Local files with their ``stat`` fields, other paths with no fingerprint (a ``fingerprint`` function,
+        which may fetch each object, is called when the job is created or resumed, not at join)."""
+        def identity(path: str) -> str:
+            return file_fingerprint(path) if self.fingerprint is None and os.path.isfile(path) else ""
 
         return [SourceUnit(path, 1, identity(path)) for path in self.paths]
 

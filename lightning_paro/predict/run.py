@@ -19,13 +19,19 @@ from lightning_paro.predict.batch import ElasticBatch, StepOutcome
 from lightning_paro.predict.config import ElasticPredictConfig
 from lightning_paro.predict.heartbeat import Heartbeat, ProgressClock
 from lightning_paro.predict.isolation import predict_isolated
-from lightning_paro.predict.ledger import Lease, Ledger
+from lightning_paro.predict.ledger import LEASED, Lease, Ledger
 from lightning_paro.predict.loader import BackgroundLoader, sharded_dataloader
 from lightning_paro.predict.manifest import finalize_job
 from lightning_paro.predict.progress import read_progress
 from lightning_paro.predict.reader import read_errors
 from lightning_paro.predict.sampler import InFlightShards, ShardBatchSampler
-from lightning_paro.predict.sources import is_sharded_source, source_layout
+from lightning_paro.predict.sources import (
+    UnitRetry,
+    inputs_to_check,
+    is_sharded_source,
+    joined_layout,
+    source_layout,
+)
 from lightning_paro.predict.writer import (
     ErrorBudgetExceededError,
     ShardWriter,
@@ -58,8 +64,8 @@ class WorkerRun:
     """Sampler, writer and heartbeat of one worker, from set-up to the job's manifest."""
 
     def __init__(self, config: ElasticPredictConfig, loader: DataLoader) -> None:
-        layout = source_layout(loader.dataset) if is_sharded_source(loader.dataset) else None
-        source_ids = getattr(loader.dataset, "id_column", None) if layout is not None else None
+        sharded = is_sharded_source(loader.dataset)
+        source_ids = getattr(loader.dataset, "id_column", None) if sharded else None
         if config.id_column is None and source_ids:
             # a source names the stable input id of its rows: written by default so outputs join back to inputs
             config = dataclasses.replace(config, id_column=source_ids)
@@ -70,6 +76,15 @@ class WorkerRun:
         self.ledger = self.open_ledger()
         self.writer: Optional[ShardWriter] = None
         try:
+            layout, stored = None, None
+            if sharded:
+                stored = self.ledger.stored_inputs()
+                # joining a running job: the units and row counts the ledger holds, checked by stat (no input
+                # opened); creating or resuming one: the source lists its units with their whole fingerprints
+                if stored is not None and self._peers_alive():
+                    layout = joined_layout(loader.dataset, stored)
+                if layout is None:
+                    layout = source_layout(loader.dataset)
             num_rows = len(loader.dataset) if layout is None else layout.num_rows
             shard_size = config.shard_size
             if shard_size is None:
@@ -79,7 +94,8 @@ class WorkerRun:
             if layout is None:
                 self.ledger.ensure_job(num_rows, shard_size)
             else:
-                self.ledger.ensure_job(num_rows, shard_size, layout.plan_shards(shard_size), layout.describe())
+                self.ledger.ensure_job(num_rows, shard_size, layout.plan_shards(shard_size),
+                                       inputs_to_check(stored, layout.units))
             self.ledger.register_worker(self.owner, socket.gethostname(), os.getpid())
             self.num_rows = num_rows
             self.in_flight = InFlightShards()
@@ -91,7 +107,8 @@ class WorkerRun:
                 self.open_ledger, self.owner, int(loader.batch_size), config, self.in_flight, self._acknowledge, self.stop
             )
             self.dataloader = BackgroundLoader(sharded_dataloader(
-                loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads, layout
+                loader, self.sampler, config.id_column, config.row_retries, config.fetch_threads, layout,
+                UnitRetry(config.unit_retries, config.unit_retry_backoff_s),
             ))
             self.fetch_threads_used: collections.Counter = collections.Counter()
             """Batches read with each number of fetch threads (0: the source read them without a thread pool)."""
@@ -127,6 +144,12 @@ class WorkerRun:
             raise
         self.manifest: Optional[dict] = None
         log.info("worker %s joined job %s (ledger %s)", self.owner, config.job, self.ledger.display_location)
+
+    def _peers_alive(self) -> bool:
+        """Whether another worker holds a lease that has not expired: this worker then joins a running job (else it
+        resumes a stopped one, or starts one). Reads the leased shards only."""
+        now = self.ledger.clock()
+        return any(s.lease_expires is not None and s.lease_expires >= now for s in self.ledger.shards(states=(LEASED,)))
 
     def open_ledger(self) -> Ledger:
         return Ledger(self.config.ledger_location, self.config.job)

@@ -8,12 +8,22 @@ time, so a unit is never loaded whole unless the source itself chooses to.
 A source that stores columns (Parquet) may also read a sub-range as one batch, already collated
 (``read_batch``): the batch of a ticket is then built from columns, without a Python object per row,
 and the per-row path remains for ranges the batched read cannot give (a row that raises included).
+
+A unit that cannot be opened or read (missing, no permission, truncated, a corrupt footer) fails as a unit:
+it is retried with backoff, then its rows fail together with one message naming the unit and the cause,
+and the unit is not opened again by this process. Rows that raise inside a readable unit stay isolated
+one by one. Units are identified by a fingerprint of fields (``size=... mtime_ns=... rg=...``); a worker
+joining a running job compares the fields ``stat`` gives, a worker creating or resuming it all of them.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import itertools
+import logging
+import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +34,66 @@ from torch.utils.data import Dataset
 
 from lightning_paro.predict.batch import BatchTicket, RowFailure
 from lightning_paro.predict.dataset import FetchPool, LoadedRows, compact_indices
+
+log = logging.getLogger(__name__)
+
+STAT_FIELDS = ("size", "mtime_ns")
+"""Fingerprint fields that ``os.stat`` gives without opening a file: what a worker joining a running job compares."""
+
+
+class UnitReadError(Exception):
+    """A unit could not be opened or read as a whole (missing, no permission, truncated, a corrupt footer).
+
+    A source raises it (or any ``OSError``) for a failure of the unit rather than of one row; the unit is then
+    retried with backoff and, failing again, its rows fail together with this message.
+    """
+
+    def __init__(self, unit_id: str, cause: str) -> None:
+        super().__init__(f"source unit {unit_id!r} could not be read: {cause}")
+        self.unit_id = unit_id
+        self.cause = cause
+
+
+def file_fingerprint(path: str, **content: Any) -> str:
+    """A file's fingerprint: its size and modification time from ``stat`` (no open), then ``content`` fields
+    (a hash, a footer's statistics) in the order given."""
+    info = os.stat(path)
+    fields = {"size": info.st_size, "mtime_ns": info.st_mtime_ns, **content}
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def fingerprint_fields(fingerprint: str) -> dict:
+    """``{field: value}`` of a fingerprint of ``k=v`` words; one that is not (an ETag, a hash) is the field ``""``."""
+    words = str(fingerprint).split()
+    if words and all("=" in w for w in words):
+        return dict(w.split("=", 1) for w in words)
+    return {"": str(fingerprint)} if fingerprint else {}
+
+
+def same_content(fingerprint: str, stored: str) -> bool:
+    """Whether two fingerprints agree on the fields both have: a joining worker's ``stat`` fields against the
+    stored ones; a job stored with fewer fields (a source's own, or an older version's ``size=``) on those."""
+    mine, theirs = fingerprint_fields(fingerprint), fingerprint_fields(stored)
+    if not mine or not theirs:
+        return True  # a side without a fingerprint (a URL at join): nothing to compare
+    common = mine.keys() & theirs.keys()
+    return bool(common) and all(mine[k] == theirs[k] for k in common)
+
+
+def inputs_to_check(stored: Optional[list], units: Sequence["SourceUnit"]) -> list:
+    """The units as ``[[id, rows, fingerprint], ...]`` for the ledger's check against the job's stored inputs: a
+    unit whose id and rows match a stored one and whose fingerprint agrees with it on their common fields carries
+    the stored fingerprint, so the ledger (which compares whole fingerprints) sees it unchanged, and reports every
+    other difference."""
+    known = {u[0]: (int(u[1]), str(u[2])) for u in stored or []}
+    out = []
+    for unit in units:
+        fingerprint = str(unit.fingerprint)
+        rows_fp = known.get(unit.id)
+        if rows_fp is not None and rows_fp[0] == int(unit.rows) and same_content(fingerprint, rows_fp[1]):
+            fingerprint = rows_fp[1]
+        out.append([unit.id, int(unit.rows), fingerprint])
+    return out
 
 
 @dataclass(frozen=True)
@@ -52,8 +122,16 @@ class ShardedSource(Dataset):
     """Key of the stable input id in each row the source yields; ``ElasticPredict`` copies it to the output."""
 
     def units(self) -> Sequence[SourceUnit]:
-        """The units, in a fixed order, with their row counts. Called once per worker when it joins the job."""
+        """The units, in a fixed order, with their row counts and fingerprints. Called by a worker that creates or
+        resumes the job (and by one that joins it, when ``units_at_join`` returns None)."""
         raise NotImplementedError
+
+    def units_at_join(self, stored: Sequence[SourceUnit]) -> Optional[Sequence[SourceUnit]]:
+        """Optional: the units of a job this worker joins while other workers run it, rebuilt from the job's stored
+        units (ids, row counts, fingerprints) without opening any input, each with a fingerprint of the fields
+        that are cheap to check (a file's ``size`` and ``mtime_ns`` from ``stat``); a unit of the source that is
+        not stored is given too (with any row count), so it is reported as added. None: ``units()`` is called."""
+        return None
 
     def read(self, unit: SourceUnit, start: int, stop: int) -> Iterable[Any]:
         """Yields rows ``start`` to ``stop`` (exclusive) of ``unit``, one sample each, streaming."""
@@ -65,8 +143,9 @@ class ShardedSource(Dataset):
         The batch must be what ``torch.utils.data.default_collate`` makes of the rows ``read`` yields for the
         range (the same keys in the same order, dtypes and shapes: a dict of tensors whose first dimension is
         ``stop - start``, or of per-row lists such as strings), so ``predict_step`` cannot tell the two apart.
-        It is used only when the DataLoader has no ``collate_fn`` of its own; if it raises, the range is read
-        again row by row so that a failing row is isolated.
+        It is used only when the DataLoader has no ``collate_fn`` of its own. Return None for rows it does not read
+        as columns (types it does not collate); an exception is a failure of the unit, retried as a unit and then
+        reported for the unit's rows with its cause (never read again row by row).
         """
         return None
 
@@ -153,28 +232,131 @@ def source_layout(source: Any) -> SourceLayout:
     return layout
 
 
+def joined_layout(source: Any, stored: Optional[list]) -> Optional[SourceLayout]:
+    """The layout of a source for a worker joining a running job, from the job's stored units and the source's
+    ``units_at_join`` (no input opened); None when there are no stored units or the source cannot. The layout is
+    kept on the source, so neither this process nor its DataLoader workers list the units again."""
+    join = getattr(source, "units_at_join", None)
+    if stored is None or not callable(join):
+        return None
+    units = join([SourceUnit(str(u[0]), int(u[1]), str(u[2])) for u in stored])
+    if units is None:
+        return None
+    layout = SourceLayout(list(units))
+    try:
+        source._paro_layout = layout
+    except AttributeError:
+        pass
+    return layout
+
+
 def _row_name(source: Any, unit: SourceUnit, position: int) -> str:
     namer = getattr(source, "row_id", None)
     return namer(unit, position) if callable(namer) else f"{unit.id}:{position}"
 
 
-def read_piece(source: Any, unit: SourceUnit, start: int, stop: int, first_index: int, retries: int) -> tuple[list, list]:
+class UnitRetry:
+    """How a unit that fails as a unit is retried (``retries`` times, after ``backoff_s``, doubling), and the units
+    this process gave up on, so the other pieces of such a unit fail at once instead of opening it again.
+
+    One per dataset in each DataLoader worker process: pickling it (to a worker) starts with nothing given up.
+    """
+
+    def __init__(self, retries: int = 2, backoff_s: float = 0.5) -> None:
+        if retries < 0 or backoff_s < 0:
+            raise ValueError(f"unit retries and backoff must be >= 0, got {retries} and {backoff_s}")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._given_up: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"retries": self.retries, "backoff_s": self.backoff_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["retries"], state["backoff_s"])
+
+    def given_up(self, unit_id: str) -> Optional[str]:
+        """The failure message of a unit this process gave up on, else None."""
+        with self._lock:
+            return self._given_up.get(unit_id)
+
+    def attempt(self, unit: "SourceUnit", read: Any) -> Any:
+        """``read()``, retried with backoff while it raises; after the last retry the unit is given up and
+        ``UnitReadError`` names it and the cause. A unit already given up raises at once."""
+        attempts = 0
+        while True:
+            message = self.given_up(unit.id)
+            if message is not None:
+                raise UnitReadError(unit.id, message)
+            try:
+                return read()
+            except Exception as exc:
+                attempts += 1
+                if attempts <= self.retries:
+                    time.sleep(self.backoff_s * 2 ** (attempts - 1))
+                    continue
+                self.give_up(unit.id, f"{_cause(exc)} (after {attempts} attempts)")
+
+    def give_up(self, unit_id: str, cause: str) -> None:
+        with self._lock:
+            self._given_up.setdefault(unit_id, cause)
+        log.warning("source unit %r failed as a unit: %s", unit_id, cause)
+
+
+def _cause(exc: BaseException) -> str:
+    return exc.cause if isinstance(exc, UnitReadError) else f"{type(exc).__name__}: {exc}"
+
+
+def is_unit_failure(exc: BaseException) -> bool:
+    """Whether an exception from a source's read is a failure of the whole unit (it could not be opened or read)
+    rather than of one row: ``UnitReadError`` and ``OSError`` (a missing file, no permission, a failed fetch)."""
+    return isinstance(exc, (UnitReadError, OSError))
+
+
+def _unit_failures(source: Any, unit: "SourceUnit", start: int, stop: int, first_index: int, cause: str,
+                   tb: str) -> list:
+    """Rows ``[start, stop)`` of a unit that failed as a unit, each with the message naming the unit and the cause
+    (the traceback on the first only)."""
+    message = f"source unit {unit.id!r} could not be read: {cause}"
+    return [RowFailure(first_index + pos - start, _row_name(source, unit, pos), "unit", message, tb if pos == start else "")
+            for pos in range(start, stop)]
+
+
+def read_piece(source: Any, unit: SourceUnit, start: int, stop: int, first_index: int, retries: int,
+               unit_retry: Optional[UnitRetry] = None) -> tuple[list, list]:
     """Rows ``[start, stop)`` of one unit as ``(samples, failures)``, isolating rows that raise.
 
     When the source's row stream raises after ``k`` rows, row ``start + k`` is the one that failed:
     reading restarts there (``retries`` times), then that row is reported and reading goes on after it.
-    ``first_index`` is the global index of row ``start``.
+    A failure of the unit itself (``is_unit_failure``) is retried as a unit with backoff (``unit_retry``), then
+    the piece's remaining rows fail together with one message naming the unit and the cause; so does a unit
+    that yields fewer rows than listed (truncated). ``first_index`` is the global index of row ``start``.
     """
+    unit_retry = unit_retry or UnitRetry()
     samples: list = []
     failures: list = []
-    pos, failed_reads = start, 0
+    pos, failed_reads, unit_attempts = start, 0, 0
     while pos < stop:
+        given_up = unit_retry.given_up(unit.id)
+        if given_up is not None:
+            failures += _unit_failures(source, unit, pos, stop, first_index + pos - start, given_up, "")
+            break
         try:
             for sample in itertools.islice(source.read(unit, pos, stop), stop - pos):
                 samples.append((first_index + pos - start, sample))
                 pos += 1
-                failed_reads = 0
+                failed_reads = unit_attempts = 0
         except Exception as exc:  # a poison row must not take the worker down: it is reported instead
+            if is_unit_failure(exc):
+                unit_attempts += 1
+                if unit_attempts <= unit_retry.retries:
+                    time.sleep(unit_retry.backoff_s * 2 ** (unit_attempts - 1))
+                    continue
+                unit_retry.give_up(unit.id, f"{_cause(exc)} (after {unit_attempts} attempts)")
+                failures += _unit_failures(source, unit, pos, stop, first_index + pos - start,
+                                           unit_retry.given_up(unit.id) or _cause(exc), traceback.format_exc(limit=8))
+                break
             if failed_reads < retries:
                 failed_reads += 1
                 continue
@@ -184,12 +366,11 @@ def read_piece(source: Any, unit: SourceUnit, start: int, stop: int, first_index
             pos, failed_reads = pos + 1, 0
             continue
         if pos < stop:
-            # the unit holds fewer rows than listed: it changed after the job started, or units() is wrong
-            message = (f"source unit {unit.id!r} yielded {pos} rows but units() listed {unit.rows}; the input "
-                       "changed during the job or units() miscounts it")
-            for missing in range(pos, stop):
-                failures.append(RowFailure(first_index + missing - start, _row_name(source, unit, missing), "dataset",
-                                           message, ""))
+            # the unit holds fewer rows than listed: truncated, changed during the job, or units() miscounts it
+            unit_retry.give_up(unit.id, f"it yielded {pos} rows but units() listed {unit.rows}: the input is truncated "
+                               "or changed during the job, or units() miscounts it")
+            failures += _unit_failures(source, unit, pos, stop, first_index + pos - start,
+                                       unit_retry.given_up(unit.id) or "", "")
             break
     return samples, failures
 
@@ -241,15 +422,16 @@ class SourceDataset(FetchPool, Dataset):
 
     With ``batched`` (the DataLoader collates with ``default_collate``) and a source that has ``read_batch``,
     a ticket is read as batches of its unit pieces, concatenated, and handed on already collated; a piece the
-    source does not read batched, or a batched read that raises or returns a wrong row count, sends the whole
-    ticket down the per-row path, which isolates the failing rows.
+    source does not read batched (None) sends the whole ticket down the per-row path. A batched read that raises
+    is a failure of its unit (``UnitRetry``); one that returns a wrong row count is an error of the source.
     """
 
     def __init__(self, source: Any, layout: SourceLayout, row_retries: int = 1, fetch_threads: Optional[int] = 1,
-                 batched: bool = False) -> None:
+                 batched: bool = False, unit_retry: Optional[UnitRetry] = None) -> None:
         self.source = source
         self.layout = layout
         self.row_retries = row_retries
+        self.unit_retry = unit_retry or UnitRetry()
         self.fetch_threads = fetch_threads
         # a source that keeps the base class's read_batch (which returns None) is read row by row at once
         self.batched = (batched and callable(getattr(source, "read_batch", None))
@@ -272,30 +454,50 @@ class SourceDataset(FetchPool, Dataset):
         def one(piece: tuple[int, int, int]) -> tuple[list, list]:
             unit_index, lo, hi = piece
             first = self.layout.starts[unit_index] + lo
-            return read_piece(self.source, self.layout.units[unit_index], lo, hi, first, self.row_retries)
+            return read_piece(self.source, self.layout.units[unit_index], lo, hi, first, self.row_retries,
+                              self.unit_retry)
 
         results, threads = self._map(one, pieces)
         samples = [s for r in results for s in r[0]]
         failures = [f for r in results for f in r[1]]
         return samples, failures, threads
 
-    def _read_batched(self, start: int, stop: int) -> tuple[Optional[dict], int]:
-        """Rows ``[start, stop)`` as one collated batch, or None when the per-row path must read them; and the
-        threads that read it."""
+    def _read_batched(self, start: int, stop: int) -> tuple[Optional[dict], list, list, int]:
+        """Rows ``[start, stop)`` as one collated batch, the indices of its rows and the failures of pieces whose
+        unit failed, or a None batch when the per-row path must read them (a piece the source does not read as
+        columns); and the threads that read it. A columnar read that raises is a failure of its unit: it has no
+        row of its own to isolate, so it is retried as a unit, then the unit's rows fail with the cause."""
         pieces = self.layout.pieces(start, stop)
 
-        def one(piece: tuple[int, int, int]) -> Optional[dict]:
+        def one(piece: tuple[int, int, int]) -> Any:
             unit_index, lo, hi = piece
-            batch = self.source.read_batch(self.layout.units[unit_index], lo, hi)
-            return batch if batch is not None and _rows_in(batch) == hi - lo else None
+            unit = self.layout.units[unit_index]
+            try:
+                batch = self.unit_retry.attempt(unit, lambda: self.source.read_batch(unit, lo, hi))
+            except UnitReadError as exc:
+                first = self.layout.starts[unit_index] + lo
+                return _unit_failures(self.source, unit, lo, hi, first, exc.cause, traceback.format_exc(limit=8))
+            if batch is not None and _rows_in(batch) != hi - lo:
+                raise ValueError(f"read_batch of source unit {unit.id!r} returned {_rows_in(batch)} rows for rows "
+                                 f"[{lo}, {hi}); it must return a dict of tensors and lists of {hi - lo} rows, or None")
+            return batch
 
-        try:
-            parts, threads = self._map(one, pieces)
-        except Exception:  # a poison row, a failed read: the per-row path reads the range again and isolates it
-            return None, 0
-        if not parts or any(p is None for p in parts):
-            return None, threads
-        return concat_batches(parts), threads
+        parts, threads = self._map(one, pieces)
+        if any(p is None for p in parts):
+            return None, [], [], threads
+        failures = [f for p in parts if isinstance(p, list) for f in p]
+        batches, indices = [], []
+        for (unit_index, lo, hi), part in zip(pieces, parts):
+            if isinstance(part, dict):
+                batches.append(part)
+                first = self.layout.starts[unit_index] + lo
+                indices.extend(range(first, first + hi - lo))
+        if not batches:
+            return None, [], failures, threads
+        batch = concat_batches(batches)
+        if batch is None:
+            return None, [], [], threads
+        return batch, (range(start, stop) if not failures else indices), failures, threads
 
     def __getitems__(self, ticket: BatchTicket) -> LoadedRows:
         if not ticket.indices:
@@ -303,9 +505,11 @@ class SourceDataset(FetchPool, Dataset):
         # a ticket is a contiguous range of one shard (see sampler.tickets_for_lease)
         start, stop = ticket.indices[0], ticket.indices[-1] + 1
         if self.batched:
-            batch, threads = self._read_batched(start, stop)
+            batch, indices, failures, threads = self._read_batched(start, stop)
             if batch is not None:
-                return LoadedRows(ticket, [], range(start, stop), [], batch=batch, fetch_threads=threads)
+                return LoadedRows(ticket, [], indices, failures, batch=batch, fetch_threads=threads)
+            if failures:  # every piece's unit failed
+                return LoadedRows(ticket, [], [], failures, fetch_threads=threads)
         samples, failures, threads = self._read(start, stop)
         indices = compact_indices([i for i, _ in samples], ticket)
         return LoadedRows(ticket, [s for _, s in samples], indices, failures, fetch_threads=threads)

@@ -167,9 +167,10 @@ def test_resume_over_changed_inputs_is_refused_naming_the_change(tmp_path, backe
     run_job(spec)
     run_job(spec)  # the same inputs: a resume, nothing to do
     assert_joined_exactly(out, expected)
-    # the same rows, other content: only the file size tells
+    # the same rows, other content: the fingerprint (size, mtime, the row group's footer entry) tells
     pq.write_table(pa.table({"x": [float(i) for i in range(20)], "note": ["changed" * 9] * 20}), inputs / "b.parquet")
-    with pytest.raises(JobMismatchError, match=r"inputs of job .* changed since it started \(b\.parquet#0: size=\d+ -> size=\d+\)"):
+    with pytest.raises(JobMismatchError, match=r"inputs of job .* changed since it started \(b\.parquet#0: "
+                                               r"size=\d+ mtime_ns=\d+ rg=\w+ -> size=\d+ mtime_ns=\d+ rg=\w+\)"):
         run_job(spec)
     pq.write_table(pa.table({"x": [1.0, 2.0], "note": ["a", "b"]}), inputs / "b.parquet")
     with pytest.raises(JobMismatchError, match=r"inputs of job .* changed .*b\.parquet#0: rows 20 -> 2.*new output_dir"):

@@ -1,5 +1,6 @@
 """Parquet read column by column: the batches equal the per-row path's after default collation, predictions are
-the same, a poison row inside a batched read is isolated, and a user's collate_fn keeps getting rows."""
+the same, a batched read that raises fails its unit (never silently read row by row), and a user's collate_fn keeps
+getting rows."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from lightning_paro.predict import JsonlSource, ParquetSource, read_errors, read_predictions
+from lightning_paro.predict import ErrorBudgetExceededError, JsonlSource, ParquetSource, read_errors, read_predictions
 from lightning_paro.predict.batch import BatchTicket
 from lightning_paro.predict.dataset import ElasticCollate
 from lightning_paro.predict.sources import SourceDataset, source_layout
@@ -70,7 +71,7 @@ POISON_X = 50.0  # inside the 55-row group of a.parquet, mid-range of a batched 
 
 
 class PoisonParquet(CountingParquet):
-    """Row x == 50 cannot be decoded: the batched read of any range holding it raises, the row stream dies at it."""
+    """Row x == 50 cannot be decoded: the batched read of any range holding it raises."""
 
     def read(self, unit, start, stop):
         for row in super().read(unit, start, stop):
@@ -106,8 +107,8 @@ def rows_collate(rows: list):
     return default_collate(rows)
 
 
-def run(out: Path, source, collate_fn=None, **extra) -> None:
-    spec = JobSpec(output_dir=str(out), batch_size=10, shard_size=40, max_failed_rows=2, extra=extra)
+def run(out: Path, source, collate_fn=None, max_failed_rows: int = 2, **extra) -> None:
+    spec = JobSpec(output_dir=str(out), batch_size=10, shard_size=40, max_failed_rows=max_failed_rows, extra=extra)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[make_callback(spec)],
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     loader = DataLoader(source, batch_size=spec.batch_size, num_workers=0, collate_fn=collate_fn)
@@ -190,20 +191,25 @@ def test_sources_without_a_batched_read_are_read_row_by_row(tmp_path):
     assert loaded.batch is None and [s["x"] for s in loaded.samples] == list(range(12))
 
 
-def test_a_poison_row_inside_a_batched_read_is_isolated_and_the_rest_predicted(tmp_path):
+def test_a_batched_read_that_raises_fails_its_unit_with_the_cause_never_row_by_row(tmp_path):
     expected = write_inputs(tmp_path / "in")
     reset_calls()
-    run(tmp_path / "out", PoisonParquet(str(tmp_path / "in")))
+    # a columnar read has no row of its own to isolate: its failure is the unit's, retried, then reported
+    run(tmp_path / "out", PoisonParquet(str(tmp_path / "in")), max_failed_rows=55, unit_retry_backoff_s=0.01)
     table = read_predictions(tmp_path / "out")
-    poison_id = next(k for k, v in expected.items() if v == POISON_X)
+    errors = read_errors(tmp_path / "out")
+    failed = {e["row"] for e in errors}
+    unit_rows = {f"a.parquet:{p}" for p in range(30, 85)}  # the 55-row group a.parquet#2 that holds x == 50
+    assert "a.parquet:50" in failed and failed <= unit_rows
+    assert {e["stage"] for e in errors} == {"unit"}
+    assert all("source unit 'a.parquet#2' could not be read: ValueError: corrupt page (after 3 attempts)" in e["error"]
+               for e in errors)
     assert dict(zip(table.column("input_id").to_pylist(), table.column("y").to_pylist())) == {
-        k: 3.0 * v + 1.0 for k, v in expected.items() if k != poison_id}
-    (error,) = read_errors(tmp_path / "out")
-    assert error["row"] == poison_id == "a.parquet:50" and "corrupt record x=50" in error["error"]
-    assert error["stage"] == "dataset"
-    # only the batch holding the poison row went row by row; every other batch was read column by column
-    assert CALLS["batched_rows"] == len(expected) - 10
-    assert 0 < CALLS["read"] <= 3
+        k: 3.0 * v + 1.0 for k, v in expected.items() if k not in failed}
+    assert CALLS["read"] == 0  # no silent fallback to the per-row path
+    # within the default budget the job fails, naming the unit and the cause
+    with pytest.raises(ErrorBudgetExceededError, match=r"a\.parquet#2.*corrupt page"):
+        run(tmp_path / "out2", PoisonParquet(str(tmp_path / "in")), unit_retry_backoff_s=0.01)
 
 
 def test_a_custom_collate_fn_gets_row_dicts(tmp_path):
