@@ -3,10 +3,11 @@
 :class:`PaROOptions` holds the library's defaults and refuses a value that cannot work with an :class:`OptionError`
 naming the option and what to pass instead, and an option that would change nothing in the configuration given (the
 options of ``sharding="auto"`` with a fixed sharding, ``gather`` or ``prefetch`` where the parameters are never
-sharded, ...: :meth:`PaROOptions.check_applies`) the same way. ``PaROStrategy`` validates its arguments through it; the command line's
-``strategy`` node (``lightning_paro.cli.schema.ParoStrategyConfig``) takes its defaults from it (overriding two, with
-the reason) and reports its errors under ``strategy.<key>``. The options of ``sharding="auto"`` are
-:class:`~lightning_paro.planner.AutoConfig`, which validates itself the same way.
+sharded, ...: :meth:`PaROOptions.check_applies`) the same way. ``PaROStrategy`` validates its arguments through it;
+the command line's ``strategy`` node (``lightning_paro.cli.schema.ParoStrategyConfig``) takes every default from it
+and reports its errors under ``strategy.<key>``. The options of ``sharding="auto"`` are
+:class:`~lightning_paro.planner.AutoConfig`, which validates itself the same way; :class:`OptionError` lives in the
+leaf module ``lightning_paro.options_base``, which both read.
 """
 
 from __future__ import annotations
