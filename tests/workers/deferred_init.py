@@ -97,6 +97,11 @@ else:
     result["val_loss"] = float(t.callback_metrics["val_loss"])
     resumed = GPTModule(meta=True)
     fit(resumed, 4, ckpt_path=out / "two.ckpt")
+    # the same save and resume of the CPU-built model, for comparison
+    fit(GPTModule(meta=False), 2, save=out / "two_cpu.ckpt")
+    resumed_cpu = GPTModule(meta=False)
+    fit(resumed_cpu, 4, ckpt_path=out / "two_cpu.ckpt")
+    result["resumed_cpu_losses"] = resumed_cpu.losses
     result.update(cpu_losses=full.lightning_module.losses, meta_losses=first.losses, resumed_losses=resumed.losses)
     # a "pretrained" GPT: another seed, saved whole by rank 0 as safetensors and as a torch file
     if rank == 0:
