@@ -29,7 +29,8 @@ The engine is independent of Lightning: the strategy calls ``pre_step``, ``finis
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -82,6 +83,9 @@ class PaROEngine:
         self.prefetch = max(0, int(prefetch))
         self.attached = True
         """Whether the module's parameters are this engine's (False once :meth:`restore_module` gave them back)."""
+        self.pieces_shown = False
+        """Whether the module is left sharded between stages, each parameter showing this rank's piece of it
+        (:meth:`leave_sharded`)."""
         check_module(module)
         previous = _ENGINES.get(id(module))
         if previous is not None and previous.module is module and previous.attached:
@@ -144,6 +148,7 @@ class PaROEngine:
     # ------------------------------------------------------------------ step protocol
     def pre_step(self) -> None:
         """Before a training step: make the root unit's parameters usable and its gradients ready."""
+        self.show_params()
         self.stages.mode = Mode.SHARDED
         self.schedule.begin_step()
 
@@ -186,6 +191,7 @@ class PaROEngine:
 
     def materialize(self) -> None:
         """Gather every unit and keep it gathered (evaluation): no collectives per batch. The weights are exact."""
+        self.show_params()
         self.stages.materialize()
 
     def release(self) -> None:
@@ -200,6 +206,7 @@ class PaROEngine:
     def begin_eval(self) -> None:
         """Start a sharded evaluation stage (collective over the P scope): the root unit is gathered for the whole
         stage, the other units in each forward. With P = N this is :meth:`materialize` (nothing to gather)."""
+        self.show_params()
         self.stages.begin_eval(self.schedule.order)
 
     def eval_step_begin(self) -> None:
@@ -223,13 +230,14 @@ class PaROEngine:
         """The module's state dict with full tensors copied to ``device``, gathered one unit at a time (collective):
         the device holds at most one more unit than it does already. With ``rank0_only`` other ranks take part in
         the gathers and return an empty dict."""
-        return full_state_dict(self.module, self.units, self.stages, self.comm, rank0_only, device)
+        with self.params_shown():
+            return full_state_dict(self.module, self.units, self.stages, self.comm, rank0_only, device)
 
     # ------------------------------------------------------------------ the module
     def restore_module(self) -> None:
         """Give the module back full, independent parameters and remove every hook (collective)."""
         self.wait()
-        self.materialize()
+        self.materialize()  # (parameters left showing local pieces point at the full buffer again first)
         handback.detach_parameters(self.flat_groups())
         self.schedule.remove_hooks()
         self.shards.remove_hooks()
@@ -242,7 +250,40 @@ class PaROEngine:
         """Whether this engine still shards ``module`` as it was built: the same parameter objects under the same
         names, with the same shapes, dtypes and devices (``configure_model`` or a precision change may have replaced
         them between stages)."""
+        self.show_params()
         return module is self.module and self.attached and handback.holds(self.flat_groups(), module)
+
+    def leave_sharded(self) -> None:
+        """Between stages, with the module left sharded: free what is sharded and point each sharded parameter at
+        this rank's piece of it, a 1-D view of the rank's P-level storage (empty where it holds none). The module then
+        holds only readable memory: its parameters can be read, printed and saved (as local pieces; torch's DTensor
+        cannot describe pieces that the flat layout cuts across dimensions). :meth:`show_params` undoes it, and every
+        method that runs the module does that first."""
+        self.wait()
+        self.release()
+        for f in self.flat_groups():
+            f.show_local_pieces()
+        self.pieces_shown = True
+
+    def show_params(self) -> None:
+        """Point every parameter left showing its local piece at its slice of the full buffer again."""
+        if self.pieces_shown:
+            for f in self.flat_groups():
+                if f.spec.params != Level.N:
+                    f.view_params()
+            self.pieces_shown = False
+
+    @contextmanager
+    def params_shown(self) -> Iterator[None]:
+        """Parameters pointing at the full buffer inside the block (to save or export between stages), left
+        showing their local pieces again after it if they were."""
+        left_sharded = self.pieces_shown
+        self.show_params()
+        try:
+            yield
+        finally:
+            if left_sharded:
+                self.leave_sharded()
 
     def adopt_module_values(self) -> None:
         """Collective. Take the module's current parameter values into this rank's shards, and rank 0's buffers,
@@ -272,6 +313,14 @@ class PaROEngine:
     def wait(self) -> None:
         """Wait for every collective in flight."""
         wait_all(self.units)
+
+
+def show_module_params(module: nn.Module) -> None:
+    """If an engine shards ``module`` and left it showing local pieces between stages, point its parameters at the
+    full buffers again: a strategy does this before a stage touches the module."""
+    engine = _ENGINES.get(id(module))
+    if engine is not None and engine.module is module and engine.attached:
+        engine.show_params()
 
     def memory_report(self) -> dict[str, int]:
         """Persistent per-rank bytes of model states held by the engine (padding included).

@@ -89,7 +89,7 @@ class ParamSlot:
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        return self.shape.numel()  # not the parameter's: it holds a local piece while its module is left sharded
 
 
 class FlatGroup:
@@ -470,3 +470,17 @@ class FlatGroup:
             if self.master.data_ptr() != self.own_param_slot.data_ptr():
                 out["master"] = self.master.numel() * self.master.element_size()
         return out
+
+    # ------------------------------------------------------------------ the module left sharded
+    def show_local_pieces(self) -> None:
+        """Point each parameter's ``.data`` at this rank's piece of it: a 1-D view of the P-level storage (empty where
+        this rank holds none of it), so that a module left sharded between stages holds only readable memory. The
+        full buffer is freed (P != N). :meth:`view_params` points them back at the full buffer."""
+        if self.spec.params == Level.N:
+            return
+        self.free_params()
+        p0 = self.layout.start(self.spec.params)
+        for index, s in enumerate(self.slots):
+            span = self.shard_range(index)
+            a, b = (s.offset + span[0] - p0, s.offset + span[1] - p0) if span is not None else (0, 0)
+            s.param.data = self.p_local[a:b]

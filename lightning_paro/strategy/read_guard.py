@@ -1,5 +1,6 @@
-"""A module left sharded after a Trainer stage holds parameters without storage; its ``state_dict()`` is refused with
-an error that names the ways to read its weights, instead of touching freed memory."""
+"""A module left sharded after a Trainer stage holds, in each parameter, only this rank's piece of it (a 1-D view of
+the rank's shard); its ``state_dict()``, which would pass those pieces off as the weights, is refused with an error
+that names the ways to read them in full."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ _READ_GUARD = "_paro_sharded_read_guard"
 
 
 def guard_sharded_reads(module: Optional[torch.nn.Module]) -> None:
-    """A module left sharded has parameters without storage: reading their values would touch freed memory and end
-    the process (a segmentation fault). Refuse its ``state_dict()``, the usual way to read it, with an error that says
-    what to do instead; the strategies' own reads (``keep_vars=True``, shapes only) go through. The handle lives on
-    the module, so whichever strategy sets up on it next removes it."""
+    """A module left sharded holds local pieces, not its weights: refuse its ``state_dict()``, the usual way to read
+    weights, with an error that says what to do instead; the strategies' own reads (``keep_vars=True``) go through.
+    The handle lives on the module, so whichever strategy sets up on it next removes it."""
     if module is not None and getattr(module, _READ_GUARD, None) is None:
         object.__setattr__(module, _READ_GUARD, module.register_state_dict_pre_hook(_refuse_reading_sharded))
 

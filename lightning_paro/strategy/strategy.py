@@ -49,7 +49,7 @@ from lightning_paro.strategy.distributed import (
     init_default_group,
     same_layout,
 )
-from lightning_paro.strategy.engine import PaROEngine
+from lightning_paro.strategy.engine import PaROEngine, show_module_params
 from lightning_paro.strategy.engine_setup import ho_ring_config, new_engine, retire, unwrap, warn_untracked
 from lightning_paro.strategy.evaluation_stage import begin_stage, gather_in_full, is_last_batch, run_step
 from lightning_paro.strategy.levels import VALID_STRATEGIES, ShardingSpec
@@ -242,6 +242,7 @@ class PaROStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         drop_sharded_read_guard(self.lightning_module)  # whichever strategy left it: this one takes the module over
+        show_module_params(self.lightning_module)  # parameters left showing local pieces: the full views again
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -498,7 +499,8 @@ class PaROStrategy(ParallelStrategy):
         """Write the module's full state dict (``torch.save``) to ``path`` from rank 0, gathering one unit at a time
         onto rank 0's CPU: for a model whose parameters do not fit one rank's device at once (collective)."""
         assert self.engine is not None, "export_full_state_dict needs the strategy set up (after fit or a stage)"
-        ckpt.export_full(self, self.engine, path)
+        with self.engine.params_shown():
+            ckpt.export_full(self, self.engine, path)
 
     # ------------------------------------------------------------------ checkpoints (strategy/checkpoint.py)
     @property
@@ -517,13 +519,16 @@ class PaROStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if self.engine is None:
             return self.lightning_module.state_dict()
-        self.engine.exact_params()  # the weights, not the copy rounded for the wire (param_dtype)
-        return ckpt.module_state_to_save(self.engine, sharded=self.state_dict_type == "sharded")
+        with self.engine.params_shown():  # also between stages, with the module left sharded
+            self.engine.exact_params()  # the weights, not the copy rounded for the wire (param_dtype)
+            return ckpt.module_state_to_save(self.engine, sharded=self.state_dict_type == "sharded")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.engine is not None
-        return ckpt.optimizer_state_to_save(self.engine, unwrap(optimizer), sharded=self.state_dict_type == "sharded")
+        with self.engine.params_shown():
+            return ckpt.optimizer_state_to_save(self.engine, unwrap(optimizer),
+                                                sharded=self.state_dict_type == "sharded")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

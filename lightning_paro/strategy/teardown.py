@@ -22,13 +22,14 @@ if TYPE_CHECKING:
 def hand_back(engine: PaROEngine, in_full: Callable[[], bool]) -> bool:
     """Give the module back with every unit gathered when the engine already holds it whole or ``in_full()`` says it
     fits (its weights readable, as after "ddp"); otherwise release the gathered copies and leave it sharded. Returns
-    whether it is whole. The shards (and optimizer states) stay in place for ``trainer.save_checkpoint`` and the
-    next stage either way."""
+    whether it is whole. Left sharded, each parameter shows this rank's piece of it (readable memory,
+    :meth:`PaROEngine.leave_sharded`). The shards (and optimizer states) stay in place for ``trainer.save_checkpoint``
+    and the next stage either way."""
     engine.wait()
     if engine.mode is Mode.FULL or in_full():
         engine.materialize()
         return True
-    engine.release()
+    engine.leave_sharded()
     return False
 
 

@@ -69,6 +69,25 @@ def test_gathered_bytes_stay_under_the_bound(runs, system):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("system", ["IIG-sharded", "GGG-sharded"])
+def test_a_module_left_sharded_holds_each_ranks_pieces(runs, system):
+    """After fit, validate, predict, a checkpoint and an export, the module left sharded holds in each parameter this
+    rank's piece of it (saved as it is with ``torch.save``): the pieces of the ranks of one P scope, in the order of
+    their shards, are the exported weights (a rank's shard at level G is number j * g + i, for rank j of group i of g
+    groups)."""
+    exported = torch.load(runs.dir / f"{system}.pt", weights_only=True)
+    pieces = [torch.load(runs.dir / f"{system}.pieces.{r}.pt", weights_only=True) for r in range(WORLD)]
+    scopes = [[0, 1], [2, 3]] if system.startswith("IIG") else [[0, 2, 1, 3]]
+    for name, full in exported.items():
+        if name not in pieces[0]:
+            continue  # a buffer
+        for scope in scopes:
+            assert all(pieces[r][name].dim() == 1 for r in scope), name
+            torch.testing.assert_close(torch.cat([pieces[r][name] for r in scope]), full.reshape(-1), rtol=0,
+                                       atol=0, msg=name)
+
+
+@pytest.mark.timeout(200)
 def test_join_rounds(runs):
     """One round (one scalar all-reduce) per step of the slowest rank of the P scope, plus the last one that counts
     no rank running. Validation inside fit: 2, 1, 1, 1 batches, twice; validate: 2, 2, 2, 1; predict: 2, 2, 2, 1.
@@ -163,9 +182,9 @@ def test_sharded_forward_in_one_process(world_of_one):
 
 @pytest.mark.timeout(120)
 def test_reading_a_module_left_sharded_is_refused_not_a_crash(tmp_path):
-    """After a fit that leaves the module sharded, ``model.state_dict()`` raises an error naming the way out (its
-    parameters have no storage: reading them would end the process); the next stage, the export and the checkpoint
-    work, and once a stage hands the module back in full it reads as usual."""
+    """After a fit that leaves the module sharded, ``model.state_dict()`` raises an error naming the way out, and each
+    parameter holds this rank's piece of it (readable, printable, savable: never freed memory); the next stage, the
+    export and the checkpoint work, and once a stage hands the module back in full it reads as usual."""
     import lightning as L
     from tiny_lm import TinyLM, loader
 
@@ -191,6 +210,20 @@ def test_reading_a_module_left_sharded_is_refused_not_a_crash(tmp_path):
         exported = torch.load(tmp_path / "full.pt", weights_only=True)
         with pytest.raises(RuntimeError, match="left sharded"):
             model.state_dict()
+        # every parameter holds readable memory: this rank's piece of it (in a world of one, all of it, flattened),
+        # which can be read, printed and saved
+        sharded = {s.name for u in t.strategy.engine.units[:-1] for f in u.flats for s in f.slots}
+        assert sharded
+        for name, p in model.named_parameters():
+            assert p.untyped_storage().size() >= p.numel() * p.element_size() > 0, name
+            if name in sharded:
+                assert p.dim() == 1
+                torch.testing.assert_close(p.detach(), exported[name].reshape(-1), rtol=0, atol=0, msg=name)
+            assert torch.isfinite(p.sum()) and "Parameter containing" in repr(p)
+        torch.save(dict(model.named_parameters()), tmp_path / "pieces.pt")
+        assert torch.load(tmp_path / "pieces.pt", weights_only=True).keys() == dict(model.named_parameters()).keys()
+        t.save_checkpoint(tmp_path / "between.ckpt")  # saving between stages leaves the pieces in place
+        assert all(p.dim() == 1 for n, p in model.named_parameters() if n in sharded)
         t2 = trainer("full")
         t2.validate(model, loader(4), verbose=False)  # hands the module back in full
         for k, v in model.state_dict().items():

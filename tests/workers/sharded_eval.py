@@ -112,6 +112,8 @@ def run(system: str) -> dict:
     elif rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{system}.pt")
     res["save_mem"] = memory(t)
+    if isinstance(t.strategy, PaROStrategy):  # left sharded or whole: what each parameter holds now, saved as it is
+        torch.save(dict(model.named_parameters()), out / f"{system}.pieces.{rank}.pt")
     torch.manual_seed(9)
     resumed = EvalLM()
     t2 = trainer(system, max_steps=6, val_check_interval=2)
