@@ -78,7 +78,10 @@ def run_replicas(
             return
         handle = Ledger(ledger, job)
         try:
-            handle.reclaim(worker_name) if died else handle.release(worker_name)
+            if died:
+                handle.reclaim(worker_name)
+            else:
+                handle.release(worker_name)
         finally:
             handle.close()
 

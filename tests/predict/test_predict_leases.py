@@ -14,6 +14,7 @@ import pytest
 from lightning_paro.predict.heartbeat import Heartbeat, ProgressClock
 from lightning_paro.predict.ledger import (
     COMMITTED,
+    LEASED,
     POISONED,
     SPLIT,
     TODO,
@@ -23,6 +24,7 @@ from lightning_paro.predict.ledger import (
     LeaseWait,
 )
 from lightning_paro.predict.progress import read_progress
+from lightning_paro.predict.replicas import ReplicaFailedError, run_replicas
 from ledger_time import pass_time
 
 _FORK = multiprocessing.get_context("fork")
@@ -203,6 +205,35 @@ def test_twenty_rounds_of_scaling_three_workers_down_to_one_and_up_again(ledger_
     written = [row for part in output for row in part]
     assert sorted(written) == list(range(rows)) and len(written) == rows  # each row once
     assert all(value == 3 * row + 1 for part in output for row, value in part.items())
+
+
+@pytest.mark.timeout(120)
+def test_replicas_the_supervisor_stops_hand_their_shards_back_and_a_crashed_ones_count(tmp_path):
+    """``run_replicas``: a replica that crashed holding a shard loses it as an attempt; the replica the supervisor
+    kills when it gives up hands its shard back, not counted."""
+    location, job = str(tmp_path / "ledger.sqlite"), "replicas"
+    Ledger(location, job).ensure_job(4, 2)
+
+    def replica(context) -> None:
+        ledger = Ledger(location, job)
+        _register(ledger, context.worker_name)
+        ledger.lease(context.worker_name, lease_ttl_s=600)
+        if context.slot == 0:
+            time.sleep(600)  # works until the supervisor stops it
+        while len(ledger.shards((LEASED,))) < 2:  # the other replica holds its shard too
+            time.sleep(0.02)
+        os._exit(3)  # dies holding its shard
+
+    with pytest.raises(ReplicaFailedError):
+        run_replicas(replica, replicas_per_device=2, max_restarts=0, ledger=location, job=job, start_method="fork")
+    ledger = Ledger(location, job)
+    try:
+        shards = {(s.owner, s.state, s.attempts) for s in ledger.shards()}
+        assert (None, TODO, 0) in shards  # stopped by the supervisor: handed back
+        expired = [s for s in ledger.shards((LEASED,)) if s.lease_expires < ledger.now()]
+    finally:
+        ledger.close()
+    assert len(expired) == 1 and expired[0].owner.endswith("replica1-r0") and expired[0].attempts == 1
 
 
 # ---- 9. recovery without waiting out a lease ---------------------------------------------------------------------
