@@ -23,13 +23,17 @@ from lightning_paro.predict import (
     ElasticPredict,
     ErrorBudgetExceededError,
     JsonlSource,
+    JobMismatchError,
     ParquetSource,
+    TextSource,
     read_errors,
     read_predictions,
 )
 from lightning_paro.predict import readers
 from lightning_paro.predict.batch import BatchTicket
 from lightning_paro.predict.callback import SeveralRanksError
+from lightning_paro.predict.config import ElasticPredictConfig
+from lightning_paro.predict.run import WorkerRun
 from lightning_paro.predict.sources import SourceDataset, source_layout
 from predict_app import Affine, JobSpec, make_callback
 
@@ -198,3 +202,90 @@ def test_an_unsupported_column_type_is_read_row_by_row_and_logged_once(tmp_path,
     logged = [r.getMessage() for r in caplog.records if "read row by row" in r.getMessage()]
     assert logged == ["ParquetSource: column 'tags' (list<element: string>) holds a type not read as columns: batches "
                       "with it are read row by row"]
+
+
+# ---- inputs identified by content ----------------------------------------------------------------------------------
+
+
+def rewrite_same_size(path: Path, content: bytes) -> None:
+    """Replaces a file's bytes with others of the same length and puts its modification time back."""
+    before = path.stat()
+    assert len(content) == before.st_size
+    path.write_bytes(content)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_same_size_rewrite_keeping_the_mtime_is_refused_at_resume_naming_the_unit(tmp_path, kind):
+    if kind == "parquet":
+        write_parquet(tmp_path / "in")
+        make = lambda: ParquetSource(str(tmp_path / "in"), columns=["x"])  # noqa: E731
+        changed, unit = tmp_path / "in" / "b.parquet", "b.parquet#0"
+        buffer = pa.BufferOutputStream()  # other values, the same encoding: the same size, another footer
+        pq.write_table(pa.table({"x": [float(1000 + i) for i in range(ROWS_PER_FILE)]}), buffer, compression="NONE",
+                       use_dictionary=False)
+        content = buffer.getvalue().to_pybytes()
+    else:
+        write_jsonl(tmp_path / "in")
+        make = lambda: JsonlSource(str(tmp_path / "in"))  # noqa: E731
+        changed, unit = tmp_path / "in" / "b.jsonl", "b.jsonl"
+        content = changed.read_bytes().replace(b"31.0", b"71.0")
+    predict(tmp_path / "out", make())
+    rewrite_same_size(changed, content)
+    with pytest.raises(JobMismatchError, match=rf"inputs of job .* changed since it started \({unit}: size=\d+ "
+                                               r"mtime_ns=\d+ (rg|blake2b)=\w+ -> size=\d+ mtime_ns=\d+ (rg|blake2b)=\w+\)"):
+        predict(tmp_path / "out", make())
+
+
+# ---- joining costs what the ledger already knows -------------------------------------------------------------------
+
+
+def test_a_worker_joining_a_job_over_10000_line_files_opens_none_before_its_first_lease(tmp_path, monkeypatch):
+    root = tmp_path / "in"
+    root.mkdir()
+    for i in range(10_000):
+        (root / f"f{i:05d}.txt").write_text(f"{i}\n")
+    make = lambda: TextSource(str(root), transform=lambda row: {"x": float(row["text"])})  # noqa: E731
+    config = ElasticPredictConfig(str(tmp_path / "out"), shard_size=8, lease_ttl_s=60.0)
+    first = WorkerRun(config, DataLoader(make(), batch_size=4))  # creates the job: lists and reads every file
+    try:
+        assert next(iter(first.sampler)).indices == range(0, 4)  # a live lease: the job is running
+        counter = OpenCounter(monkeypatch, root)
+        joiner = WorkerRun(config, DataLoader(make(), batch_size=4))
+        try:
+            assert counter.paths == []  # the units and row counts came from the ledger, checked by stat
+            ticket = next(iter(joiner.sampler))
+            assert counter.paths == [] and ticket.indices == range(8, 12)
+            loaded = joiner.dataloader.loader.dataset.__getitems__(ticket)
+            assert [s["x"] for s in loaded.samples] == [8.0, 9.0, 10.0, 11.0] and not loaded.failures
+            assert sorted(set(counter.paths)) == [f"f{i:05d}.txt" for i in range(8, 12)]
+        finally:
+            joiner.abort()
+            joiner.close()
+        # a file changed since the job started is refused at join, by its stat fields, still opening nothing
+        (root / "f00017.txt").write_text("1717\n")
+        with pytest.raises(JobMismatchError, match=r"f00017\.txt: size=3 mtime_ns=\d+ blake2b=\w+ -> size=5 "
+                                                   r"mtime_ns=\d+\)"):
+            WorkerRun(config, DataLoader(make(), batch_size=4))
+        assert counter.paths == [f"f{i:05d}.txt" for i in range(8, 12) for _ in range(2)]
+    finally:
+        first.abort()
+        first.close()
+
+
+def test_a_large_single_row_group_is_streamed_a_slice_at_a_time(tmp_path, monkeypatch):
+    rows = 50_000
+    pq.write_table(pa.table({"x": [float(i) for i in range(rows)]}), tmp_path / "one.parquet", row_group_size=rows)
+    source = ParquetSource(str(tmp_path / "one.parquet"))
+    (unit,) = source_layout(source).units
+    monkeypatch.setattr(readers, "WHOLE_ROW_GROUP_BYTES", 100_000)  # this row group holds 400 kB of x
+
+    def no_whole_read(*args, **kwargs):
+        raise AssertionError("the row group was read whole")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", no_whole_read)
+    for start in (0, 100, 20_000, 49_990, 5):  # forward, then back to the start
+        batch = source.read_batch(unit, start, min(start + 10, rows))
+        assert batch["x"].tolist() == [float(i) for i in range(start, min(start + 10, rows))]
+    assert [r["x"] for r in source.read(unit, 30_000, 30_003)] == [30_000.0, 30_001.0, 30_002.0]
