@@ -285,6 +285,8 @@ class PredictConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("checkpoint", "output_dir")}
 
+    unit_retries: int = ELASTIC["unit_retries"]
+    unit_retry_backoff_s: float = ELASTIC["unit_retry_backoff_s"]
 
 @dataclass(frozen=True)
 class BenchConfig:
