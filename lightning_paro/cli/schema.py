@@ -275,6 +275,8 @@ class PredictConfig:
     poll_interval_s: float = ELASTIC["poll_interval_s"]
     fetch_threads: Optional[int] = ELASTIC["fetch_threads"]
     row_retries: int = ELASTIC["row_retries"]
+    unit_retries: int = ELASTIC["unit_retries"]
+    unit_retry_backoff_s: float = ELASTIC["unit_retry_backoff_s"]
     max_failed_rows: int = ELASTIC["max_failed_rows"]
     writer_queue_size: int = ELASTIC["writer_queue_size"]
     progress_interval_s: float = ELASTIC["progress_interval_s"]
@@ -285,8 +287,6 @@ class PredictConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("checkpoint", "output_dir")}
 
-    unit_retries: int = ELASTIC["unit_retries"]
-    unit_retry_backoff_s: float = ELASTIC["unit_retry_backoff_s"]
 
 @dataclass(frozen=True)
 class BenchConfig:
