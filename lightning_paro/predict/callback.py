@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_paro import compat
@@ -69,6 +71,10 @@ class ElasticPredict(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         assert self.run is not None
+        if trainer.received_sigterm:
+            # a scale-down (Kubernetes, torchrun, SLURM): Lightning records SIGTERM but its predict loop runs on, so stop
+            # here; on_exception hands this worker's leases back, not counted as attempts; the process exits with 143
+            raise SIGTERMException(128 + signal.SIGTERM)
         self.run.on_batch_end(outputs)
         if isinstance(batch, ElasticBatch) and not batch.ticket.idle:
             self.batches_run += 1

@@ -364,3 +364,44 @@ def test_progress_counts_shards_waiting_on_a_dead_worker_in_the_eta(ledger_locat
         assert read_progress(ledger).waiting_shards == 0
     finally:
         ledger.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_sent_sigterm_hands_its_shard_back_without_an_attempt(tmp_path):
+    """SIGTERM (a scale-down by Kubernetes, torchrun or SLURM) stops a Lightning worker at its next batch; its shard
+    goes back to todo, not counted, and a worker started later completes the job exactly."""
+    from predict_app import JobSpec, run_job
+    from predict_procs import Workers, assert_exact_output
+
+    out = tmp_path / "out"
+    spec = JobSpec(output_dir=str(out), rows=600, batch_size=10, shard_size=100, step_sleep_s=0.05,
+                   lease_ttl_s=30.0, worker_name="leaving")
+    workers = Workers()
+    try:
+        proc = workers.start(spec)
+        ledger = None
+        deadline = time.monotonic() + 60
+        while True:  # wait until it is in the middle of a shard
+            assert time.monotonic() < deadline, "the worker never leased a shard"
+            if ledger is None and (out / "_ledger.sqlite").exists():
+                ledger = Ledger(str(out / "_ledger.sqlite"), str(out.resolve()))
+            if ledger is not None and ledger.job_shape() is not None and ledger.shards((LEASED,)):
+                break
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(timeout=20)
+        assert not proc.is_alive(), "the worker went on working after SIGTERM"
+        assert proc.exitcode == 1  # the test app's code for a trainer.predict that raised (SIGTERMException)
+        shards = ledger.shards()
+        assert not [s for s in shards if s.state == LEASED]
+        assert [s.attempts for s in shards if s.state == TODO] == [0] * sum(s.state == TODO for s in shards)
+        assert any(s.state == TODO for s in shards), "the job ended before the worker was stopped"
+        ledger.close()
+        run_job(JobSpec(**{**spec.__dict__, "worker_name": "next", "step_sleep_s": 0.0}))
+        assert_exact_output(out, 600)
+        final = Ledger(str(out / "_ledger.sqlite"), str(out.resolve()))
+        assert max(s.attempts for s in final.shards()) == 1
+        final.close()
+    finally:
+        workers.cleanup()
