@@ -314,14 +314,6 @@ class PaROEngine:
         """Wait for every collective in flight."""
         wait_all(self.units)
 
-
-def show_module_params(module: nn.Module) -> None:
-    """If an engine shards ``module`` and left it showing local pieces between stages, point its parameters at the
-    full buffers again: a strategy does this before a stage touches the module."""
-    engine = _ENGINES.get(id(module))
-    if engine is not None and engine.module is module and engine.attached:
-        engine.show_params()
-
     def memory_report(self) -> dict[str, int]:
         """Persistent per-rank bytes of model states held by the engine (padding included).
 
@@ -350,3 +342,11 @@ def show_module_params(module: nn.Module) -> None:
                 out["trainable"] += f.layout.numel
                 out["trainable_padded"] += f.layout.padded
         return out
+
+
+def show_module_params(module: nn.Module) -> None:
+    """If an engine shards ``module`` and left it showing local pieces between stages, point its parameters at the
+    full buffers again: a strategy does this before a stage touches the module."""
+    engine = _ENGINES.get(id(module))
+    if engine is not None and engine.module is module and engine.attached:
+        engine.show_params()
