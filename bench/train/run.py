@@ -154,8 +154,9 @@ MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64",
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
 
 
-def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = ()) -> dict:
-    """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes)."""
+def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), cwd: Path = ROOT) -> dict:
+    """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes);
+    ``cwd``: the tree whose package runs (``python -m`` finds the working directory's first)."""
     if system.split("@")[0] == "paro":  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
         strategy = ["strategy=paro", "strategy.sharding=auto"]
         if "@" in system:
@@ -176,7 +177,7 @@ def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = ()) -> 
     report = out / "bench.json"
     report.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - started
     if not report.exists():
         return {"system": system, "error": proc.stdout[-1500:] + proc.stderr[-1500:], "wall_s": wall}
