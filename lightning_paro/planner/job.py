@@ -357,6 +357,12 @@ class JobReplanner:
         self.recorder = self._recorder()
         return start_trial(decision, self.plan, self.current, tried, steps)
 
+    def decline(self) -> None:
+        """The switch the last decision asked for was not made (its peak does not fit the ranks' memory): no
+        trial runs, the strategy in use stays, and no re-plan follows."""
+        self.finished = True
+        self.tried, self._trial = None, None
+
     def _first_rank_says(self, outcome: T) -> T:
         """Collective: ``outcome`` as the group's first rank computed it, on every rank."""
         import torch.distributed as dist

@@ -15,12 +15,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
-from lightning_paro.planner import AutoConfig, Plan, format_plan, plan_for_job
+from lightning_paro.planner import AutoConfig, Plan, format_bytes, format_plan, plan_for_job
 from lightning_paro.planner.job import JobReplanner
+from lightning_paro.planner.memory import agreed_maximum
 from lightning_paro.planner.replan import Switch
 from lightning_paro.planner.report import plan_record
+from lightning_paro.strategy.engine import PaROEngine
+from lightning_paro.strategy.reshard import switch_peak_bytes
 
 RECORD_FILE = "paro_auto.json"
 """The run's record of ``sharding="auto"`` (:meth:`AutoSession.record`), written by rank 0 into the Trainer's
@@ -49,6 +53,8 @@ class AutoSession:
         """Whether this fit plans reproducibly (:meth:`AutoConfig.reproducible`): no switch on measured timings."""
         self.record_dir: Optional[Path] = None
         """Where :data:`RECORD_FILE` is written (None: nowhere; :meth:`record` still holds it)."""
+        self._group: Any = None
+        self._reduce_on: Optional[torch.device] = None
 
     def plan_at_setup(self, module, optimizers: list, topology, device, accumulation: int, ranks_on_host: int,
                       units, prefetch: int, chunk_bytes: Optional[int], comm, broadcast: Callable[[Any], Any]) -> str:
@@ -89,6 +95,7 @@ class AutoSession:
         self.current = current
         self.reproducible = self.config.reproducible()
         self.record_dir = Path(record_dir) if record_dir is not None else None
+        self._group, self._reduce_on = group, (device if torch.device(device).type == "cuda" else None)
         self._write_record()
         if self.plan is None or not self.config.replan_after_steps or manual:
             return
@@ -111,6 +118,20 @@ class AutoSession:
             "replans": self.replans, "switches": [dataclasses.asdict(s) for s in self.switches],
         }
 
+    def _switch_refusal(self, engine: PaROEngine, plan: Plan, to: str) -> Optional[str]:
+        """Collective: why a switch to ``to`` does not fit, or None when it fits. Its peak (``reshard.py``: the old
+        and new model states and the whole model gathered; each rank's own, the largest decides on every rank) must
+        fit the memory the plan counts per rank (``Cluster.device_memory``), not only the budget's share of it: a
+        switch runs between steps, when no activation or in-flight buffer is alive, which the budget keeps room for."""
+        new_states = plan.candidate(to).prediction.memory.model_states
+        peak = agreed_maximum(switch_peak_bytes(engine, new_states), self._group, self._reduce_on)
+        memory = plan.cluster.device_memory
+        if peak <= memory:
+            return None
+        return (f"resharding would hold {format_bytes(peak)} at its peak (the old and new model states and the whole"
+                f" model gathered) on the rank that needs most, over its {format_bytes(memory)} of memory;"
+                f" {self.current} stays")
+
     @rank_zero_only
     def _write_record(self) -> None:
         if self.record_dir is None:
@@ -128,11 +149,13 @@ class AutoSession:
         if self.replanner is not None:
             self.replanner.end_backward()
 
-    def after_step(self, step: int, switch: Callable[[str], None], settle: Callable[[], None] = lambda: None) -> None:
+    def after_step(self, step: int, switch: Callable[[str], None], settle: Callable[[], None] = lambda: None,
+                   engine: Optional[PaROEngine] = None) -> None:
         """After optimizer step ``step`` (collective while re-planning): feed the re-planner and, when its decision
         says so, call ``switch(strategy)`` and record the switch with its cost. ``settle`` waits for the step's own
         collectives still in flight (the parameter sync), which the step pays for either way, before the switch's
-        clock starts."""
+        clock starts. ``engine``: the engine in use, whose switch's peak memory (``reshard.switch_peak_bytes``, the
+        largest over the ranks) must fit the rank's memory, else the switch is declined with a logged reason."""
         planner = self.replanner
         if planner is None:
             return
@@ -155,7 +178,14 @@ class AutoSession:
             else:
                 rank_zero_info(f"PaRO sharding='auto' re-planned after {steps}:{measured} {decision.reason}\n"
                                f"{format_plan(planner.plan)}")
-            if decision.switch_to is not None:
+            declined = None if decision.switch_to is None or engine is None else self._switch_refusal(
+                engine, planner.plan, decision.switch_to)
+            self.replans[-1]["declined"] = declined
+            if declined is not None:
+                planner.decline()
+                rank_zero_info(f"PaRO sharding='auto' declined the switch from {planner.current} to"
+                               f" {decision.switch_to} after step {step}: {declined}")
+            elif decision.switch_to is not None:
                 settle()
                 previous, started = planner.current, time.perf_counter()
                 switch(decision.switch_to)

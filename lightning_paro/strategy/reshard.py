@@ -7,6 +7,16 @@ all-gather over the scope the transition table names when it is coarser. The fla
 strategy (every buffer is padded to a multiple of the world size), so a level's range of a buffer is the same under
 both engines. The values are those a sharded checkpoint saved under the old strategy and resumed under the new one
 carries, bit for bit.
+
+Which optimizer state tensors are shards (one entry per element of the buffer's optimizer shard, moved between
+levels) and which are not (a step counter, carried as it is) is recorded per buffer before the switch
+(:func:`~lightning_paro.strategy.state_dicts.per_element_keys`, the rule the checkpoints use) and the move follows
+that record, key by key; a recorded shard that the new optimizer keeps in another shape is an error.
+
+A switch holds, at its peak on each rank, the old engine's model states (the optimizer states move from them at the
+end), the whole model gathered and copied into the module (the new engine's source) and the new engine's model
+states: :func:`switch_peak_bytes`. The caller checks it against the rank's memory before switching
+(``auto_session.py`` declines a switch that does not fit, and says why).
 """
 
 from __future__ import annotations
@@ -21,7 +31,18 @@ from lightning_paro.strategy.engine import PaROEngine
 from lightning_paro.strategy.flat import FlatGroup
 from lightning_paro.strategy.layout import ShardLayout
 from lightning_paro.strategy.levels import Level
-from lightning_paro.strategy.state_dicts import init_optimizer_state
+from lightning_paro.strategy.state_dicts import init_optimizer_state, per_element_keys
+
+
+def switch_peak_bytes(engine: PaROEngine, new_model_state_bytes: float) -> float:
+    """This rank's bytes at the peak of :func:`reshard` from ``engine`` to a strategy whose model states take
+    ``new_model_state_bytes`` per rank (the plan's prediction): what the old engine holds now, the module's full
+    parameters (copies of their own), the gathered buffers they are copied from (P != N; with P = N the parameter
+    storage is the full buffer already) and the new engine's model states."""
+    held = sum(engine.memory_report().values())
+    full = engine.full_param_bytes
+    gathered = full if engine.spec.params != Level.N else 0
+    return held + full + gathered + new_model_state_bytes
 
 
 def reshard(engine: PaROEngine, build: Callable[[list[Optimizer]], PaROEngine]) -> PaROEngine:
@@ -56,7 +77,14 @@ def reshard(engine: PaROEngine, build: Callable[[list[Optimizer]], PaROEngine]) 
                 f.master.copy_(move(old["master"]))
             state = _optimizer_of(new, f).state[f.master]
             for key, value in old["state"].items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old["shard_numel"]:
+                if key in old["shard_keys"]:
+                    if key not in per_element_keys(_optimizer_of(new, f), f.master):
+                        raise RuntimeError(
+                            f"Resharding: the optimizer state {key!r} of {f.slots[0].name!r} is a shard of the old"
+                            f" optimizer state (one entry per element), but the new optimizer keeps it as"
+                            f" {type(state.get(key)).__name__} {tuple(getattr(state.get(key), 'shape', ()))}, not in"
+                            f" the new shard's shape {tuple(f.master.shape)}; the strategy cannot be switched in"
+                            " place.")
                     state[key].copy_(move(value))
                 elif torch.is_tensor(value) and torch.is_tensor(state.get(key)):
                     state[key].copy_(value)
@@ -73,7 +101,7 @@ def _optimizer_side(engine: PaROEngine, f: FlatGroup) -> dict[str, Any]:
     """What of one flat buffer moves to the new engine: its optimizer-state level, a separate master and the
     optimizer's state tensors (references: the old engine is not used after this)."""
     out: dict[str, Any] = {"signature": _signature(f), "level": f.spec.optim, "master": None, "state": {},
-                           "shard_numel": f.layout.shard_numel(f.spec.optim)}
+                           "shard_keys": frozenset()}
     if not f.trainable:
         return out
     if f.master.data_ptr() != f.own_param_slot.data_ptr():
@@ -81,6 +109,7 @@ def _optimizer_side(engine: PaROEngine, f: FlatGroup) -> dict[str, Any]:
     for opt in engine.optimizers:
         if f.master in opt.state:
             out["state"] = dict(opt.state[f.master])
+            out["shard_keys"] = per_element_keys(opt, f.master)  # the record the move follows
     return out
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_paro.strategy.flat_chunks import FlatChunks
 from lightning_paro.strategy.levels import Level
@@ -229,6 +230,14 @@ def load_full_optimizer_state(engine: PaROEngine, opt_index: int, sd: dict[str, 
                             else:
                                 opt.state[master][k] = max(steps)
     apply_param_groups(engine, opt_index, loaded_groups)
+    feedback = error_feedback_state(engine, opt_index)
+    if feedback:  # torch's format has no place for it: what this rank's sends left out before is not known
+        for chunks in feedback.values():
+            for _, _, view in chunks.chunks:
+                view.zero_()
+        rank_zero_info(f"PaRO: the error feedback of the quantized gradient hop starts from zero for"
+                       f" {len(feedback)} buffer(s) of optimizer {opt_index}: a full checkpoint does not hold it"
+                       " (a sharded one does).")
 
 
 def check_keys_and_shapes(current: dict[str, Any], stored: dict[str, torch.Size], strict: bool, what: str) -> None:
@@ -262,6 +271,11 @@ def _named_param_groups(engine: PaROEngine, opt_index: int) -> list[dict[str, An
     opt = engine.optimizers[opt_index]
     return [{**{k: v for k, v in group.items() if k != "params"},
              "params": list(engine.original_param_groups[opt_index][gi])} for gi, group in enumerate(opt.param_groups)]
+
+
+def per_element_keys(optimizer, master: torch.Tensor) -> frozenset[str]:
+    """The keys of ``optimizer``'s state for ``master`` whose tensors are shards: one entry per element of it."""
+    return frozenset(k for k, v in optimizer.state.get(master, {}).items() if _per_element(v, master))
 
 
 def _per_element(value: Any, master: torch.Tensor) -> bool:

@@ -421,7 +421,8 @@ class PaROStrategy(ParallelStrategy):
         self._record_step_traffic()
         if self._auto_session is not None:  # the step just made is not counted in global_step yet
             self._auto_session.after_step(self.lightning_module.trainer.global_step + 1, self._switch_strategy,
-                                          settle=self.engine.wait)
+                                          settle=self.engine.wait,
+                                          engine=self.engine)
         return out
 
     def _record_step_traffic(self) -> None:

@@ -36,6 +36,13 @@ def test_another_group_size_starts_the_error_feedback_from_zero_with_a_note(runs
 
 
 @pytest.mark.timeout(360)
+def test_a_full_checkpoint_resumes_the_error_feedback_from_zero_with_a_note(runs):
+    logs, ranks = runs
+    assert all(r["from_full_zero"] and all(r["from_full_zero"]) for r in ranks)
+    assert "a full checkpoint does not hold it" in logs[0]
+
+
+@pytest.mark.timeout(360)
 def test_a_non_finite_gradient_leaves_the_error_feedback_finite(runs):
     """Rank 0's gradient holds one inf on the second step: every rank's buffers stay finite on every step."""
     _, ranks = runs

@@ -1,5 +1,5 @@
 """The int8 hop's error feedback over a fit: a sharded checkpoint carries it, a different layout starts it from zero
-(with a note), a non-finite gradient leaves it finite, and the public quantized collectives refuse a size they cannot
+(with a note), so does a full checkpoint, which does not hold it, a non-finite gradient leaves it finite, and the public quantized collectives refuse a size they cannot
 split. Four processes in 2 groups of 2 (the last job: 4 groups of 1), ``IIG`` with ``inter_quant="int8"`` and
 ``error_feedback=True``, a two-layer MLP.
 
@@ -58,10 +58,12 @@ class AfterStep(L.Callback):
         self.finite.append(bool(buffers) and all(bool(b.isfinite().all()) for b in buffers))
 
 
-def fit(group_size: int = 2, resume: Path | None = None, inject_inf_at: int | None = None):
+def fit(group_size: int = 2, resume: Path | None = None, inject_inf_at: int | None = None,
+        state_dict_type: str = "sharded"):
     torch.manual_seed(0)
     model = MLP(inject_inf_at)
-    strategy = PaROStrategy(sharding="IIG", group_size=group_size, inter_quant="int8", error_feedback=True)
+    strategy = PaROStrategy(sharding="IIG", group_size=group_size, inter_quant="int8", error_feedback=True,
+                            state_dict_type=state_dict_type)
     after = AfterStep()
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -94,6 +96,11 @@ result["resumed_equal"] = [torch.equal(a, b) for a, b in zip(saved, buffers(resu
 
 _, other, _ = fit(group_size=1, resume=ckpt)  # 4 groups of 1: another layout's buffers mean nothing here
 result["other_layout_zero"] = [bool((b == 0).all()) for b in buffers(other)]
+
+trainer, _, _ = fit(state_dict_type="full")
+trainer.save_checkpoint(out / "full.ckpt")
+_, from_full, _ = fit(resume=out / "full.ckpt", state_dict_type="full")  # a full checkpoint holds none
+result["from_full_zero"] = [bool((b == 0).all()) for b in buffers(from_full)]
 
 _, _, after = fit(inject_inf_at=1)
 result["finite_after_each_step"] = after.finite
