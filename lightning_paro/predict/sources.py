@@ -7,7 +7,7 @@ time, so a unit is never loaded whole unless the source itself chooses to.
 
 A source that stores columns (Parquet) may also read a sub-range as one batch, already collated
 (``read_batch``): the batch of a ticket is then built from columns, without a Python object per row,
-and the per-row path remains for ranges the batched read cannot give (a row that raises included).
+and the per-row path remains for ranges the batched read does not give (types it does not read as columns).
 
 A unit that cannot be opened or read (missing, no permission, truncated, a corrupt footer) fails as a unit:
 it is retried with backoff, then its rows fail together with one message naming the unit and the cause,
@@ -19,9 +19,9 @@ joining a running job compares the fields ``stat`` gives, a worker creating or r
 from __future__ import annotations
 
 import bisect
-import os
 import itertools
 import logging
+import os
 import threading
 import time
 import traceback
@@ -36,10 +36,6 @@ from lightning_paro.predict.batch import BatchTicket, RowFailure
 from lightning_paro.predict.dataset import FetchPool, LoadedRows, compact_indices
 
 log = logging.getLogger(__name__)
-
-STAT_FIELDS = ("size", "mtime_ns")
-"""Fingerprint fields that ``os.stat`` gives without opening a file: what a worker joining a running job compares."""
-
 
 class UnitReadError(Exception):
     """A unit could not be opened or read as a whole (missing, no permission, truncated, a corrupt footer).
@@ -105,7 +101,8 @@ class SourceUnit:
     rows: int
     """Number of rows in the unit."""
     fingerprint: str = ""
-    """What identifies the unit's content (a file size, an ETag); a change makes resuming the job an error."""
+    """What identifies the unit's content, as ``k=v`` fields (``size=... mtime_ns=...`` and a hash or a footer entry)
+    or one opaque value (an ETag); a change makes resuming the job an error."""
     ref: Any = field(default=None, compare=False)
     """Whatever the source needs to read the unit again (a path and row-group number, byte offsets)."""
 
@@ -423,7 +420,7 @@ class SourceDataset(FetchPool, Dataset):
     With ``batched`` (the DataLoader collates with ``default_collate``) and a source that has ``read_batch``,
     a ticket is read as batches of its unit pieces, concatenated, and handed on already collated; a piece the
     source does not read batched (None) sends the whole ticket down the per-row path. A batched read that raises
-    is a failure of its unit (``UnitRetry``); one that returns a wrong row count is an error of the source.
+    or returns another row count than asked for is a failure of its unit (``UnitRetry``).
     """
 
     def __init__(self, source: Any, layout: SourceLayout, row_retries: int = 1, fetch_threads: Optional[int] = 1,
@@ -472,15 +469,19 @@ class SourceDataset(FetchPool, Dataset):
         def one(piece: tuple[int, int, int]) -> Any:
             unit_index, lo, hi = piece
             unit = self.layout.units[unit_index]
+
+            def read() -> Optional[dict]:
+                batch = self.source.read_batch(unit, lo, hi)
+                if batch is not None and _rows_in(batch) != hi - lo:  # truncated, or a source that miscounts
+                    raise UnitReadError(unit.id, f"read_batch gave {_rows_in(batch)} rows for its rows [{lo}, {hi}) "
+                                                 "(a dict of tensors and lists of that many rows, or None, is due)")
+                return batch
+
             try:
-                batch = self.unit_retry.attempt(unit, lambda: self.source.read_batch(unit, lo, hi))
+                return self.unit_retry.attempt(unit, read)
             except UnitReadError as exc:
                 first = self.layout.starts[unit_index] + lo
                 return _unit_failures(self.source, unit, lo, hi, first, exc.cause, traceback.format_exc(limit=8))
-            if batch is not None and _rows_in(batch) != hi - lo:
-                raise ValueError(f"read_batch of source unit {unit.id!r} returned {_rows_in(batch)} rows for rows "
-                                 f"[{lo}, {hi}); it must return a dict of tensors and lists of {hi - lo} rows, or None")
-            return batch
 
         parts, threads = self._map(one, pieces)
         if any(p is None for p in parts):
