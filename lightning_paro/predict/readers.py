@@ -26,7 +26,7 @@ DEFAULT_ID_COLUMN = "input_id"
 
 # Row groups up to this many uncompressed bytes are read whole and cached (the batches of one row group then read it
 # once); a larger one is streamed a slice at a time, so a DataLoader worker never holds a large file's row group.
-WHOLE_ROW_GROUP_BYTES = 64 << 20
+WHOLE_ROW_GROUP_BYTES = 8 << 20
 _STREAM_BATCH_ROWS = 16_384
 
 # Rows between two remembered byte offsets of a line file: reading a range seeks to the offset before
