@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -96,7 +97,10 @@ def worker(mode: str, work: Path) -> None:
 
 def run(mode: str, work: Path, nprocs: int = WORLD) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-port=0",
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--master-port={port}",
            __file__, "--worker", mode, str(work)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
