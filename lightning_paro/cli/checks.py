@@ -189,6 +189,9 @@ def _check_strategy(cfg: Config) -> None:
         with strategy_errors():
             PaROOptions(**shared, timeout=timedelta(seconds=s.timeout_s))
     group_size = getattr(s, "group_size", None)
+    if s.name == "fsdp2" and group_size is not None:  # a config file's was left out (compose.py): this one was given
+        raise ConfigError("strategy.group_size", "fsdp2 shards over all ranks and would ignore it; shard in groups"
+                                                 " with strategy=hsdp, or drop it")
     if group_size is not None and world is not None and world % group_size:
         divisors = [str(k) for k in range(1, world + 1) if world % k == 0]
         raise ConfigError(

@@ -35,6 +35,7 @@ from lightning_paro.cli.checks import check_config, trainer_parameters
 from lightning_paro.cli.schema import (
     STRATEGY_SCHEMAS,
     TARGET_GROUPS,
+    UNREAD_KEYS,
     BenchConfig,
     Config,
     ConfigError,
@@ -263,7 +264,7 @@ def to_config(raw: DictConfig, overrides: Sequence[str] = ()) -> Config:
             f"{name!r} is not a strategy schema; use one of {', '.join(STRATEGY_SCHEMAS)} (normally set by"
             " choosing strategy=paro, strategy=ddp, strategy=fsdp2 or strategy=hsdp)",
         )
-    left_out = _keys_of_other_strategies(strategy_node, STRATEGY_SCHEMAS[name], overrides)
+    left_out = _keys_of_other_strategies(strategy_node, name, overrides)
     parts["strategy"] = _typed("strategy", STRATEGY_SCHEMAS[name], strategy_node)
     parts["left_out"] = left_out
     ckpt_path = raw.get("ckpt_path")
@@ -280,19 +281,21 @@ def to_config(raw: DictConfig, overrides: Sequence[str] = ()) -> Config:
     return Config(**parts)
 
 
-def _keys_of_other_strategies(node: DictConfig, schema: type, overrides: Sequence[str]) -> tuple[str, ...]:
+def _keys_of_other_strategies(node: DictConfig, name: str, overrides: Sequence[str]) -> tuple[str, ...]:
     """The rule that lets one experiment run under every strategy (``bench -m experiment=X strategy=paro_iig,ddp``):
-    a key of the strategy node that the chosen strategy lacks but another strategy has (``group_size`` under
-    ``ddp``) is meaningful only under that other strategy. Set by a config file, it is taken out of ``node`` and
-    returned as ``strategy.key=value`` (the command reports it); given on the command line, it stays, and the
-    schema refuses it by name."""
-    own = {f.name for f in dataclasses.fields(schema)}
+    a key of the strategy node that the chosen strategy ``name`` does not read but another strategy does
+    (``group_size`` under ``ddp`` or ``fsdp2``) is meaningful only under that other strategy. Set by a config file,
+    it is taken out of ``node`` and, unless null, returned as ``strategy.key=value`` (the command reports it); given
+    on the command line, it stays, and the schema (or ``checks.py``) refuses it by name."""
+    own = {f.name for f in dataclasses.fields(STRATEGY_SCHEMAS[name])} - UNREAD_KEYS.get(name, frozenset())
     others = {f.name for other in STRATEGY_SCHEMAS.values() for f in dataclasses.fields(other)} - own
     given = {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides}
+    values = OmegaConf.to_container(node, resolve=True)
     left_out = []
     for key in [str(k) for k in node.keys()]:
         if key in others and f"strategy.{key}" not in given:
-            left_out.append(f"strategy.{key}={OmegaConf.to_container(node, resolve=True)[key]}")
+            if values[key] is not None:
+                left_out.append(f"strategy.{key}={values[key]}")
             with open_dict(node):
                 del node[key]
     return tuple(left_out)

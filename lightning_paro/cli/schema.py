@@ -159,12 +159,18 @@ class ParoStrategyConfig:
                                                  " or choose strategy=paro (sharding=auto)") from None
 
     def _link(self, side: str) -> Optional[Link]:
-        """The given link of one side (None: the probe measures it); Link checks the overlap even without one."""
+        """The given link of one side (None: the probe measures it); Link checks the overlap even without one, and
+        an overlap set without a bandwidth (the probe measures both) is refused."""
         gbps, overlap = getattr(self, f"{side}_gbps"), getattr(self, f"{side}_overlap")
         try:
             Link(math.inf, overlap=overlap)
         except ValueError as err:
             raise ConfigError(f"strategy.{side}_overlap", str(err)) from None
+        if gbps is None and overlap != getattr(ParoStrategyConfig, f"{side}_overlap"):
+            raise ConfigError(f"strategy.{side}_overlap", f"{overlap} goes with a given bandwidth; without"
+                                                         f" strategy.{side}_gbps the probe measures the link, overlap"
+                                                         " included, and would ignore it: drop it, or give"
+                                                         " strategy.intra_gbps and strategy.inter_gbps")
         if gbps is None:
             return None
         try:
@@ -230,6 +236,10 @@ class FSDP2StrategyConfig:
     timeout_s: float = 1800.0
     """Collective timeout in seconds."""
 
+
+UNREAD_KEYS: dict[str, frozenset[str]] = {"fsdp2": frozenset({"group_size"})}
+"""Keys of a schema that a strategy sharing it does not read (``fsdp2`` shards over all ranks; ``hsdp`` reads
+``group_size``)."""
 
 STRATEGY_SCHEMAS: dict[str, type] = {
     "paro": ParoStrategyConfig,

@@ -83,6 +83,8 @@ CLI_IGNORED = [
     (["strategy=paro_nig", "strategy.gather=sharded"], "strategy.gather", "P = I or G"),
     (["strategy=paro_nng", "strategy.prefetch=0"], "strategy.prefetch", "nothing is gathered"),
     (["strategy=paro_iig", "strategy.error_feedback=true"], "strategy.error_feedback", "int8"),
+    (["strategy=paro", "strategy.intra_overlap=0.2"], "strategy.intra_overlap", "strategy.intra_gbps"),
+    (["strategy=fsdp2", "strategy.group_size=2"], "strategy.group_size", "strategy=hsdp"),
 ]
 
 
@@ -103,6 +105,10 @@ def test_an_experiment_that_sets_a_paro_key_sweeps_against_ddp(tmp_path, capsys)
     paro, ddp = (load_config(list(job.overrides)) for job in jobs)
     assert paro.strategy.group_size == 2 and paro.left_out == ()
     assert ddp.strategy.name == "ddp" and ddp.left_out == ("strategy.group_size=2",)
+    # fsdp2 reads no group_size either (hsdp does)
+    fsdp2 = load_config(["experiment=demo", "strategy=fsdp2"])
+    assert fsdp2.strategy.group_size is None and fsdp2.left_out == ("strategy.group_size=2",)
+    assert load_config(["experiment=demo", "strategy=hsdp"]).strategy.group_size == 2
     # the job says what it left out, once
     assert main(["bench", "--cfg", "experiment=demo", "strategy=ddp"]) == 0
     out = capsys.readouterr().out
