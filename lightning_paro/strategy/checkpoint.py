@@ -217,6 +217,7 @@ def load_sharded(engine: PaROEngine, path: Path, strict: bool, fitting: bool, we
     for i in load_opts:
         init_optimizer_state(engine, i)
         state[f"optimizer_{i}"] = optimizer_state(engine, i, for_save=False)
+        _keep_stored_entries(state[f"optimizer_{i}"]["state"], f"optimizer_{i}.state", metadata.state_dict_metadata)
         feedback = _error_feedback_to_load(engine, i, stored_shapes(metadata, f"optimizer_{i}.{ERROR_FEEDBACK}"))
         if feedback:
             state[f"optimizer_{i}"][ERROR_FEEDBACK] = feedback
@@ -234,6 +235,24 @@ def load_sharded(engine: PaROEngine, path: Path, strict: bool, fitting: bool, we
         apply_param_groups(engine, i, state[f"optimizer_{i}"]["param_groups"])
     engine.after_load()
     return torch.load(path / META_FILE, weights_only=weights_only)
+
+
+def _keep_stored_entries(state: dict[str, dict[str, Any]], prefix: str, stored: Any) -> None:
+    """Drop from an optimizer's ``state`` (by parameter name) the entries the checkpoint does not hold: they keep the
+    zeros :func:`init_optimizer_state` gave them. A checkpoint written by FSDP2 (or any torch optimizer) holds no state
+    for a parameter that never received a gradient, where this engine writes zeros; so reading it is the same."""
+    absent = []
+    for name, entry in list(state.items()):
+        for key in [k for k in entry if f"{prefix}.{name}.{k}" not in stored]:
+            del entry[key]
+            absent.append(name)
+        if not entry:
+            del state[name]
+    if absent:
+        names = sorted(set(absent))
+        rank_zero_info(f"PaRO: the checkpoint holds no optimizer state for {len(names)} parameter(s), which start"
+                       f" from zero state as in a new optimizer (a parameter that never received a gradient):"
+                       f" {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}.")
 
 
 def _error_feedback_to_load(engine: PaROEngine, opt_index: int, stored: dict[str, torch.Size]) -> dict[str, Any]:
