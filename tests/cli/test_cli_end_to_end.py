@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import lightning_paro
 from cli.procs import free_port, run_cli
 from lightning_paro.cli.build import build_model
 from lightning_paro.cli.compose import load_config
@@ -33,14 +34,14 @@ def test_fit_checkpoint_predict(tmp_path):
     # one group of 2 ranks: IIG moves bytes inside the group only
     assert summary["intra_bytes_per_step"] > 0 and summary["inter_bytes_per_step"] == 0
     assert "PaRO strategy IIG" in fit.stdout and "model states on this rank" in fit.stdout
-    ckpt = run_dir / "weights.ckpt"
-    assert ckpt.is_file() and str(ckpt) in fit.stdout
+    ckpt = run_dir / "weights.ckpt"  # strategy=paro's checkpoints are the library's: a sharded directory
+    assert ckpt.is_dir() and str(ckpt) in fit.stdout and "python -m lightning_paro.convert" in fit.stdout
     assert (run_dir / "logs" / "version_0" / "metrics.csv").is_file()
     # the progress bar was off (trainer=tiny); the composed config is saved beside the checkpoint
     assert "_target_: lightning_paro.demo.GPTTask" in (run_dir / "config.yaml").read_text()
 
     cfg = load_config([*TINY, "run.name=e2e"], cwd=tmp_path)
-    state = torch.load(ckpt, weights_only=True)
+    state = lightning_paro.load_checkpoint(ckpt)
     assert "optimizer_states" not in state  # a weights checkpoint
     model = build_model(cfg)
     model.load_state_dict(state["state_dict"])  # strict: every key of the model, nothing else
@@ -118,7 +119,7 @@ def test_fit_under_torchrun(tmp_path):
     # group_size=1: two groups of one, so everything crosses groups
     assert summary["strategy"] == "paro NIG (m=1)" and summary["world_size"] == 2
     assert summary["inter_bytes_per_step"] > 0 and summary["intra_bytes_per_step"] == 0
-    assert (tmp_path / "runs" / "tr" / "weights.ckpt").is_file()
+    assert (tmp_path / "runs" / "tr" / "weights.ckpt").is_dir()  # sharded, the library's default
 
 
 @pytest.mark.timeout(120)
@@ -128,7 +129,8 @@ def test_a_config_error_is_one_line_from_the_entry_point(tmp_path):
     done = run_cli(["fit", "-m", "strategy.sharding=NIG,XYZ"], tmp_path, timeout=100)
     assert done.returncode == 2 and done.stdout == ""
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("lightning-paro: error: strategy.sharding: 'XYZ'"), done.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "lightning-paro: error: job 2 of 2 (strategy.sharding=XYZ): strategy.sharding: 'XYZ'"), done.stderr
     assert not (tmp_path / "runs").exists()  # nothing ran
 
 
@@ -142,3 +144,31 @@ def test_fsdp2_shards_a_model_that_does_not_shard_itself(tmp_path):
     assert result["strategy"] == "fsdp2" and result["world_size"] == 2
     # every parameter is a DTensor split over the 2 ranks: rank 0 holds about half of the fp32 parameters
     assert result["model_state_bytes_rank0"]["params"] == pytest.approx(4 * result["parameters"] / 2, rel=0.05)
+
+
+@pytest.mark.timeout(400)
+def test_fit_resumes_from_the_run_s_last_checkpoint(tmp_path):
+    common = [*TINY, "strategy=paro_nig", "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=2",
+              "trainer.limit_val_batches=0", "run.name=resume"]
+    first = run_cli(["fit", *common, "trainer.max_steps=2"], tmp_path, timeout=180)
+    assert first.returncode == 0, first.describe()
+    last = tmp_path / "runs" / "resume" / "checkpoints" / "last.ckpt"
+    assert last.is_dir()  # sharded
+    again = run_cli(["fit", *common, "trainer.max_steps=4", "ckpt_path=last"], tmp_path, timeout=180)
+    assert again.returncode == 0, again.describe()
+    summary = json.loads((tmp_path / "runs" / "resume" / "summary.json").read_text())
+    # steps 3 and 4 only: the first two came from the checkpoint
+    assert summary["optimizer_steps"] == 4 and len(summary["loss_per_step_rank0"]) == 2
+
+
+@pytest.mark.timeout(400)
+def test_an_experiment_with_a_paro_key_compares_paro_with_ddp_in_one_sweep(tmp_path):
+    # experiment=demo sets strategy.group_size, which DDP has no key for: the ddp job leaves it out and says so
+    sweep = run_cli(["bench", "-m", "experiment=demo", "strategy=paro_iig,ddp", "model=gpt_tiny", "data=stdlib_tiny",
+                     "trainer.devices=2", "trainer.enable_progress_bar=false", "bench.warmup_steps=1", "bench.steps=1",
+                     "run.name=compare"], tmp_path, timeout=380)
+    assert sweep.returncode == 0, sweep.describe()
+    record = json.loads((tmp_path / "runs" / "compare" / "sweep.json").read_text())
+    assert [job["exit_code"] for job in record["jobs"]] == [0, 0]
+    assert [job["result"]["strategy"] for job in record["jobs"]] == ["paro IIG (m=2)", "ddp"]
+    assert sweep.stdout.count("note: strategy=ddp has no strategy.group_size=2") == 1

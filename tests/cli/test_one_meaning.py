@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_paro
-from lightning_paro import VALID_STRATEGIES, AutoConfig, PaROStrategy
+from lightning_paro import AutoConfig, PaROStrategy
 from lightning_paro.cli.build import build_model, build_strategy
 from lightning_paro.cli.checks import resume_path
 from lightning_paro.cli.compose import load_config
