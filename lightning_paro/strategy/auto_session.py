@@ -44,7 +44,8 @@ class AutoSession:
         """The switches made in place during fit."""
         self.replanner: Optional[JobReplanner] = None
         self.replans: list[dict[str, Any]] = []
-        """Each re-plan: after which step, the strategy in use, its measured and predicted step time, the decision."""
+        """Each re-plan: after which step, the strategy in use, its measured and predicted step time, the decision, and
+        why the switch it asked for was declined (``declined``; None: made, or none asked for)."""
         self.start_plan: Optional[Plan] = None
         """The plan made at start-up (:attr:`plan` is the latest)."""
         self.current: Optional[str] = None
@@ -162,12 +163,15 @@ class AutoSession:
         decision = planner.end_step()
         if decision is not None:
             self.plan = planner.plan
+            declined = None if decision.switch_to is None or engine is None else self._switch_refusal(
+                engine, planner.plan, decision.switch_to)
             self.replans.append({
                 "step": step, "in_use": planner.current, "switch_to": decision.switch_to, "reason": decision.reason,
                 "measured_step_seconds": planner.figures.step_seconds if planner.figures else None,
                 "predicted_step_seconds": planner.plan.candidate(planner.current).prediction.step_seconds,
                 "predicted_speedup": decision.predicted_speedup,
-                "micro_step_seconds": planner.figures.micro_step_seconds if planner.figures else None})
+                "micro_step_seconds": planner.figures.micro_step_seconds if planner.figures else None,
+                "declined": declined})
             measured = "" if planner.figures is None else (
                 f" measured {planner.figures.step_seconds:.4g} s per optimizer step under {planner.current},"
                 f" {decision.measured_over_predicted:.2f}x the re-plan's prediction for it.")
@@ -178,9 +182,6 @@ class AutoSession:
             else:
                 rank_zero_info(f"PaRO sharding='auto' re-planned after {steps}:{measured} {decision.reason}\n"
                                f"{format_plan(planner.plan)}")
-            declined = None if decision.switch_to is None or engine is None else self._switch_refusal(
-                engine, planner.plan, decision.switch_to)
-            self.replans[-1]["declined"] = declined
             if declined is not None:
                 planner.decline()
                 rank_zero_info(f"PaRO sharding='auto' declined the switch from {planner.current} to"
