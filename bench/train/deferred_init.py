@@ -137,8 +137,9 @@ def main() -> None:
     for mode, rs in rows.items():
         for r in rs:
             within = "yes" if max(r["growth_end_setup"], r["growth_peak_setup"]) <= r["bound_bytes"] else "no"
-            lines.append(f"| {mode} | {r['rank']} | {r['growth_end_setup'] / MiB:.1f} | {r['growth_peak_setup'] / MiB:.1f}"
-                         f" | {r['full_param_bytes'] / MiB:.1f} | {r['shard_bytes'] / MiB:.1f} |"
+            lines.append(f"| {mode} | {r['rank']} | {r['growth_end_setup'] / MiB:.1f} |"
+                         f" {r['growth_peak_setup'] / MiB:.1f} | {r['full_param_bytes'] / MiB:.1f} |"
+                         f" {r['shard_bytes'] / MiB:.1f} |"
                          f" {r['largest_unit_bytes'] / MiB:.1f} | {r['bound_bytes'] / MiB:.1f} | {within} |")
     meta0, resumed0 = rows["meta"][0], rows["resume"][0]
     lines += ["", f"The meta-built model trained 2 steps (losses {meta0['losses']}), validated (val_loss"

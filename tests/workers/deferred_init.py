@@ -111,7 +111,7 @@ else:
         weights = {k: v.contiguous() for k, v in net.state_dict().items() if k != "head.weight"}  # tied: one copy
         save_file(weights, str(out / "pre.safetensors"))
         torch.save(weights, out / "pre.pt")
-    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    torch.distributed.barrier()  # the files are written (the Trainers left the process group up)
     for kind in ("safetensors", "pt"):
         tuned = GPTModule(meta=True, pretrained=str(out / f"pre.{kind}"))
         fit(tuned, 1)
