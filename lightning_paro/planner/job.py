@@ -129,8 +129,9 @@ class AutoConfig:
             raise OptionError("link_cache", f"link_cache must be True (reuse links measured earlier once checked) or"
                                             f" False (probe every time), got {self.link_cache!r}.")
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
-            raise OptionError("deterministic", f"deterministic must be True (no switch on measured timings), False or"
-                                               f" None (follow Trainer(deterministic=...)), got {self.deterministic!r}.")
+            raise OptionError("deterministic", f"deterministic must be True (no switch on measured timings), False"
+                                               f" or None (follow Trainer(deterministic=...)), got"
+                                               f" {self.deterministic!r}.")
         if not is_count(self.probe_bytes, 1):
             raise OptionError("probe_bytes", f"probe_bytes must be a positive number of bytes, got {self.probe_bytes!r}.")
 

@@ -1,7 +1,7 @@
 """The int8 hop's error feedback over a fit: a sharded checkpoint carries it, a different layout starts it from zero
-(with a note), so does a full checkpoint, which does not hold it, a non-finite gradient leaves it finite, and the public quantized collectives refuse a size they cannot
-split. Four processes in 2 groups of 2 (the last job: 4 groups of 1), ``IIG`` with ``inter_quant="int8"`` and
-``error_feedback=True``, a two-layer MLP.
+(with a note), so does a full checkpoint, which does not hold it, a non-finite gradient leaves it finite, and the
+public quantized collectives refuse a size they cannot split. Four processes in 2 groups of 2 (one job: 4 groups of
+1), ``IIG`` with ``inter_quant="int8"`` and ``error_feedback=True``, a two-layer MLP.
 
 argv: output directory. Each rank writes OUT/RANK.json.
 """

@@ -9,7 +9,6 @@ argv: output directory.
 """
 
 import json
-import os
 import sys
 import time
 from pathlib import Path

@@ -1,7 +1,7 @@
 """A switch whose resharding peak does not fit the rank's memory is declined; one that fits is made. Two processes
-(2 groups of 1), a two-layer MLP.
+(2 groups of 1), a small MLP of four units.
 
-Both fits start on NNN (``first_plan``) among NNN and GGG (four units) with the activations declared, under a budget NNN does not
+Both fits start on NNN (``first_plan``) among NNN and GGG with the activations declared, under a budget NNN does not
 fit and GGG does, so the re-plan after 2 steps asks for GGG. ``fits``: 1 GB of memory per rank, the switch is made.
 ``short``: the memory per rank is the budget itself, which the switch's peak (NNN's states, the model gathered and
 GGG's states) exceeds: it is declined, NNN stays. Each fit logs with a CSVLogger under OUT/NAME; each rank writes
@@ -78,6 +78,7 @@ for name, memory in (("fits", 1e9), ("short", budget)):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(MLP())
     (out / f"{name}.{rank}.json").write_text(json.dumps({
-        "in_use": strategy.sharding.name, "switches": [[s.from_strategy, s.to_strategy] for s in strategy.auto_switches],
+        "in_use": strategy.sharding.name,
+        "switches": [[s.from_strategy, s.to_strategy] for s in strategy.auto_switches],
         "replans": strategy.auto_replans, "budget": budget, "global_step": trainer.global_step}))
 print("done", rank)
