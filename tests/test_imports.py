@@ -46,3 +46,12 @@ def test_the_option_types_are_a_leaf_that_strategy_and_planner_both_read():
     from lightning_paro.strategy import options
 
     assert options.OptionError is lightning_paro.OptionError  # one class, wherever it is imported from
+
+
+def test_the_quick_tier_lists_existing_tests_and_imports_every_module():
+    root = PACKAGE.parent
+    listed = [line.strip() for line in (root / "tests" / "quick.txt").read_text().splitlines()
+              if line.strip() and not line.lstrip().startswith("#")]
+    assert "tests/test_imports.py" in listed  # every module, touched
+    assert all((root / path.split("::")[0]).is_file() for path in listed), listed
+    assert "--quick" in (root / "scripts" / "test.sh").read_text()
