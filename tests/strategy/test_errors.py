@@ -56,11 +56,20 @@ def _engine(comm, model, opts=()):
     return PaROEngine(model, ShardingSpec.parse("IIG"), comm, optimizers=list(opts))
 
 
-def test_meta_parameters_are_refused(world_of_one):
+def test_meta_parameters_are_materialised_as_the_cpu_build(world_of_one):
+    """Meta parameters are no longer refused: the engine gives them the values a CPU build with the same seed has
+    (tests/strategy/test_deferred_init.py holds the rule and its errors)."""
+    torch.manual_seed(0)
+    cpu = nn.Linear(3, 3)
+    torch.manual_seed(0)
     with torch.device("meta"):
         model = nn.Linear(3, 3)
-    with pytest.raises(ValueError, match="meta device. Materialise the model"):
-        _engine(world_of_one, model)
+    engine = _engine(world_of_one, model)
+    engine.materialize()
+    for name, p in model.named_parameters():
+        assert not p.is_meta
+        torch.testing.assert_close(p.detach(), dict(cpu.named_parameters())[name].detach(), rtol=0, atol=0)
+    engine.wait()
 
 
 def test_sparse_embedding_is_refused(world_of_one):
