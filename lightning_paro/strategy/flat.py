@@ -138,6 +138,9 @@ class FlatGroup:
         """This rank's persistent parameter storage at level P."""
         self.p_full = full
         """The unsharded parameters; module parameters are views of it. Freed between uses when P != N."""
+        self._views = [full[s.offset:s.offset + s.numel].view(s.shape) for s in slots]
+        """Each parameter's view of the full buffer, made while it has its storage (a freed buffer cannot be
+        sliced): what :meth:`view_params` points the parameters at."""
         self.view_params()
         self.gathered = True
         if spec.params != Level.N:
@@ -175,10 +178,7 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ set-up
     def view_params(self) -> None:
-        """Make every parameter's ``.data`` its slice of the full buffer (the views are made once, while the buffer
-        has its storage: a slice of a freed buffer cannot be taken)."""
-        if not hasattr(self, "_views"):
-            self._views = [self.p_full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        """Make every parameter's ``.data`` its slice of the full buffer (``_views``)."""
         for s, view in zip(self.slots, self._views):
             if s.param.is_meta:
                 # `.data` cannot move a tensor off the meta device: swap in an empty one in place (the same object),

@@ -163,6 +163,12 @@ class OptimizerShards:
                     f.master.copy_(f.own_param_slot)
 
 
+def is_shard_state(value: Any, master: torch.Tensor) -> bool:
+    """Whether an optimizer state value holds one entry per element of its optimizer shard (``exp_avg``, ...; not
+    step counters): the one rule for which state is sharded like the shard (checkpoints and switches read it too)."""
+    return torch.is_tensor(value) and value.shape == master.shape
+
+
 def _shard_states(optimizer: Optimizer, master: nn.Parameter) -> list[torch.Tensor]:
-    """The state tensors ``optimizer`` keeps per element of ``master`` (moments; not step counters)."""
-    return [v for v in optimizer.state.get(master, {}).values() if torch.is_tensor(v) and v.shape == master.shape]
+    """The state tensors ``optimizer`` keeps per element of ``master``."""
+    return [v for v in optimizer.state.get(master, {}).values() if is_shard_state(v, master)]

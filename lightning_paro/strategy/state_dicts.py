@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_paro.strategy.flat_chunks import FlatChunks
 from lightning_paro.strategy.levels import Level
+from lightning_paro.strategy.optimizer_shards import is_shard_state
 
 if TYPE_CHECKING:
     from lightning_paro.strategy.engine import PaROEngine
@@ -58,7 +59,7 @@ def optimizer_state(engine: PaROEngine, opt_index: int, for_save: bool) -> dict[
                 a, b = max(rng[0], s.offset), min(rng[1], s.offset + s.numel)
                 entry: dict[str, Any] = {}
                 for k, v in opt.state.get(master, {}).items():
-                    if _per_element(v, master):
+                    if is_shard_state(v, master):
                         entry[k] = FlatChunks.of(v, o0, s.offset, s.shape, rng)
                     else:
                         entry[k] = v  # scalars (step) are the same for every parameter of the shard
@@ -155,7 +156,7 @@ def full_optimizer_state(engine: PaROEngine, opt_index: int) -> dict[str, Any]:
             f = engine.flat_of(master)
             full_states = {}
             for k, v in opt.state.get(master, {}).items():
-                if _per_element(v, master):
+                if is_shard_state(v, master):
                     # On the shard's device: Lightning's teardown moves optimizer states to the CPU, which an NCCL
                     # group cannot carry (trainer.save_checkpoint after fit or validate).
                     full = torch.zeros(f.layout.padded, dtype=v.dtype, device=master.device)
@@ -217,7 +218,7 @@ def load_full_optimizer_state(engine: PaROEngine, opt_index: int, sd: dict[str, 
                 f = engine.flat_of(master)
                 o0, o1 = f.layout.range(f.spec.optim)
                 for k, v in opt.state[master].items():
-                    if _per_element(v, master):
+                    if is_shard_state(v, master):
                         v.zero_()
                         for s in f.slots:
                             if s.name in by_name and k in by_name[s.name]:
@@ -275,12 +276,7 @@ def _named_param_groups(engine: PaROEngine, opt_index: int) -> list[dict[str, An
 
 def per_element_keys(optimizer, master: torch.Tensor) -> frozenset[str]:
     """The keys of ``optimizer``'s state for ``master`` whose tensors are shards: one entry per element of it."""
-    return frozenset(k for k, v in optimizer.state.get(master, {}).items() if _per_element(v, master))
-
-
-def _per_element(value: Any, master: torch.Tensor) -> bool:
-    """Whether an optimizer state value holds one entry per element of its parameter's shard (``exp_avg``, ...)."""
-    return torch.is_tensor(value) and value.shape == master.shape
+    return frozenset(k for k, v in optimizer.state.get(master, {}).items() if is_shard_state(v, master))
 
 
 def _copy_range(dst: torch.Tensor, dst_base: int, rng: tuple[int, int], slot_offset: int, src_flat: torch.Tensor):
