@@ -1,8 +1,14 @@
-"""Database connections for the shard ledger: an embedded SQLite file or a PostgreSQL server."""
+"""Database connections for the shard ledger: an embedded SQLite file or a PostgreSQL server.
+
+Every statement is written once, for both drivers, with PostgreSQL's own numbered parameters ``$1``, ``$2``, ...
+(a number may appear several times). Both take that text as it is: PostgreSQL natively (psycopg's ``RawCursor``
+sends the statement to the server without reading it), and SQLite as named parameters (``$AAAA``, here named
+``1``, ``2``, ...), so the parameters are passed to SQLite as ``{"1": first, "2": second, ...}``. No statement is
+ever read or rewritten on its way to the database: a ``%``, a ``?`` or a ``$1`` inside a string literal stays text.
+"""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
@@ -37,8 +43,6 @@ class Dialect:
 
     name: str
     """``"sqlite"`` or ``"postgres"``."""
-    placeholder: str
-    """The parameter marker the driver expects."""
     now: str
     """The database's clock in Unix seconds, as an SQL expression: every lease time is read and written with it, so
     workers whose own clocks disagree still agree on when a lease expires."""
@@ -46,13 +50,11 @@ class Dialect:
 
 SQLITE = Dialect(
     name="sqlite",
-    placeholder="?",
     # the clock of the process that runs the statement; SQLite serves one machine, so every writer reads one clock
     now="((julianday('now') - 2440587.5) * 86400.0)",
 )
 POSTGRES = Dialect(
     name="postgres",
-    placeholder="%s",
     # the server's clock, at the start of the (short) transaction
     now="CAST(EXTRACT(EPOCH FROM now()) AS DOUBLE PRECISION)",
 )
@@ -72,56 +74,16 @@ def advisory_key(scope: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-@functools.lru_cache(maxsize=512)
-def to_pyformat(statement: str) -> str:
-    """``statement`` with its ``?`` parameter markers in psycopg's ``%s`` style and every literal ``%`` doubled.
-
-    Only a ``?`` outside string literals, quoted identifiers and comments is a parameter; a ``%`` anywhere (a
-    ``LIKE`` pattern, a modulo) must reach psycopg as ``%%``, which it turns back into one ``%``.
-    """
-    out = []
-    i, n = 0, len(statement)
-    while i < n:
-        ch = statement[i]
-        if ch in "'\"":
-            # a string literal or a quoted identifier; a doubled quote inside it is an escaped quote
-            end = i + 1
-            while end < n:
-                if statement[end] == ch:
-                    if end + 1 < n and statement[end + 1] == ch:
-                        end += 2
-                        continue
-                    break
-                end += 1
-            out.append(statement[i : end + 1].replace("%", "%%"))
-            i = end + 1
-        elif statement.startswith("--", i):
-            end = statement.find("\n", i)
-            end = n if end < 0 else end
-            out.append(statement[i:end].replace("%", "%%"))
-            i = end
-        elif statement.startswith("/*", i):
-            end = statement.find("*/", i + 2)
-            end = n if end < 0 else end + 2
-            out.append(statement[i:end].replace("%", "%%"))
-            i = end
-        elif ch == "?":
-            out.append("%s")
-            i += 1
-        elif ch == "%":
-            out.append("%%")
-            i += 1
-        else:
-            out.append(ch)
-            i += 1
-    return "".join(out)
+def sqlite_params(params: Sequence[Any]) -> dict:
+    """Positional parameters as SQLite binds ``$1``, ``$2``, ...: named parameters called ``1``, ``2``, ..."""
+    return {str(number): value for number, value in enumerate(params, 1)}
 
 
 class Database:
     """One connection to the ledger database, with a transaction helper shared by both backends.
 
-    Statements are written with ``?`` parameter markers; on PostgreSQL they are translated for psycopg
-    (``to_pyformat``). Every ledger transaction of a job is serialised (``BEGIN IMMEDIATE`` on SQLite, which
+    Statements are written with ``$1``, ``$2``, ... parameter markers, which both drivers take as they are (see the
+    module's docstring). Every ledger transaction of a job is serialised (``BEGIN IMMEDIATE`` on SQLite, which
     locks the whole file; on PostgreSQL an advisory transaction lock keyed by the job, so other jobs in the same
     database run in parallel): ledger transactions are tiny (a few index lookups), so mutual exclusion keeps the
     leasing logic identical on both backends at a cost measured in bench/predict/ledger_scale.py.
@@ -143,10 +105,9 @@ class Database:
         except Exception:  # closing a broken connection must never mask the original problem
             pass
 
-    def _sql(self, statement: str) -> str:
-        if self.dialect is POSTGRES:
-            return to_pyformat(statement)
-        return statement
+    def _params(self, params: Sequence[Any]) -> Any:
+        """``params`` as this connection's driver binds ``$1``, ``$2``, ..."""
+        return tuple(params) if self.dialect is POSTGRES else sqlite_params(params)
 
     def transaction(self, scope: Optional[str] = None, exclusive: bool = True) -> "_Transaction":
         """A serialised read-write transaction: ``with db.transaction(job) as tx: tx.execute(...)``.
@@ -161,7 +122,7 @@ class Database:
         """Runs one read-only statement in its own short transaction and returns all rows."""
         try:
             cur = self._conn.cursor()
-            cur.execute(self._sql(statement), tuple(params))
+            cur.execute(statement, self._params(params))
             rows = cur.fetchall()
             self._conn.commit()
             return rows
@@ -202,7 +163,7 @@ class _Transaction:
     def lock(self) -> None:
         """Takes the scope's lock now (PostgreSQL), if the transaction does not hold it yet."""
         if self._db.dialect is POSTGRES and not self._locked:
-            self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._key,))
+            self._cur.execute("SELECT pg_advisory_xact_lock($1)", (self._key,))
         self._locked = True
 
     def __enter__(self) -> "_Transaction":
@@ -221,11 +182,11 @@ class _Transaction:
 
     def execute(self, statement: str, params: Sequence[Any] = ()) -> int:
         """Runs a statement; returns the number of rows it changed."""
-        self._cur.execute(self._db._sql(statement), tuple(params))
+        self._cur.execute(statement, self._db._params(params))
         return self._cur.rowcount
 
     def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
-        self._cur.executemany(self._db._sql(statement), [tuple(r) for r in rows])
+        self._cur.executemany(statement, [self._db._params(r) for r in rows])
 
     def insert_rows(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
         """Inserts many rows at once: ``COPY ... FROM STDIN`` on PostgreSQL, one prepared statement on SQLite.
@@ -238,15 +199,15 @@ class _Transaction:
                 for row in rows:
                     copy.write_row(row)
             return
-        marks = ", ".join("?" for _ in columns)
-        self._cur.executemany(f"INSERT INTO {table} ({names}) VALUES ({marks})", rows)
+        marks = ", ".join(f"${number}" for number in range(1, len(columns) + 1))
+        self._cur.executemany(f"INSERT INTO {table} ({names}) VALUES ({marks})", (sqlite_params(r) for r in rows))
 
     def fetchall(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
-        self._cur.execute(self._db._sql(statement), tuple(params))
+        self._cur.execute(statement, self._db._params(params))
         return self._cur.fetchall()
 
     def fetchone(self, statement: str, params: Sequence[Any] = ()) -> Optional[tuple]:
-        self._cur.execute(self._db._sql(statement), tuple(params))
+        self._cur.execute(statement, self._db._params(params))
         return self._cur.fetchone()
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -366,7 +327,8 @@ def _connect_postgres(url: str, timeout_s: float, display: str) -> Any:
             "A PostgreSQL ledger needs the psycopg driver: pip install 'lightning-paro[postgres]'."
         ) from exc
     try:
-        return psycopg.connect(url, connect_timeout=max(1, int(timeout_s)))
+        # RawCursor: statements reach the server as written, with their $1, $2, ... parameters
+        return psycopg.connect(url, connect_timeout=max(1, int(timeout_s)), cursor_factory=psycopg.RawCursor)
     except psycopg.Error as exc:
         raise LedgerUnavailableError(
             f"Cannot connect to the PostgreSQL prediction ledger at {display}: {redact_url(str(exc)).strip()}. "

@@ -152,9 +152,9 @@ class Ledger:
         if ranges is None:
             ranges = [(start, min(start + shard_size, num_rows)) for start in range(0, num_rows, shard_size)]
         with self.db.transaction(self.job) as tx:
-            row = tx.fetchone("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = ?", (self.job,))
+            row = tx.fetchone("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = $1", (self.job,))
             if row is not None:
-                stored = tx.fetchone("SELECT units FROM paro_predict_inputs WHERE job = ?", (self.job,))
+                stored = tx.fetchone("SELECT units FROM paro_predict_inputs WHERE job = $1", (self.job,))
                 self._check_inputs(None if stored is None else json.loads(stored[0]), inputs)
                 if (int(row[0]), int(row[1])) != (num_rows, shard_size):
                     raise JobMismatchError(
@@ -164,11 +164,13 @@ class Ledger:
                     )
                 return False
             tx.execute(
-                f"INSERT INTO paro_predict_jobs (job, num_rows, shard_size, created_at) VALUES (?, ?, ?, {self._now})",
+                "INSERT INTO paro_predict_jobs (job, num_rows, shard_size, created_at) "
+                f"VALUES ($1, $2, $3, {self._now})",
                 (self.job, num_rows, shard_size),
             )
             if inputs is not None:
-                tx.execute("INSERT INTO paro_predict_inputs (job, units) VALUES (?, ?)", (self.job, json.dumps(inputs)))
+                tx.execute("INSERT INTO paro_predict_inputs (job, units) VALUES ($1, $2)",
+                           (self.job, json.dumps(inputs)))
             # one bulk insert in the same transaction (COPY on PostgreSQL): 100,000 shards in about a second
             tx.insert_rows(
                 "paro_predict_shards",
@@ -215,7 +217,7 @@ class Ledger:
 
     def job_shape(self) -> Optional[tuple[int, int]]:
         """``(num_rows, shard_size)`` of the job, or None if it was never created."""
-        rows = self.db.query("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = ?", (self.job,))
+        rows = self.db.query("SELECT num_rows, shard_size FROM paro_predict_jobs WHERE job = $1", (self.job,))
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
     def now(self) -> float:
@@ -230,14 +232,15 @@ class Ledger:
         started = process_started(pid) if space is not None else None
         with self.db.transaction(self.job) as tx:
             for table in ("paro_predict_workers", "paro_predict_processes"):
-                tx.execute(f"DELETE FROM {table} WHERE job = ? AND owner = ?", (self.job, owner))
+                tx.execute(f"DELETE FROM {table} WHERE job = $1 AND owner = $2", (self.job, owner))
             tx.execute(
                 "INSERT INTO paro_predict_workers (job, owner, host, pid, started_at, last_seen) "
-                f"VALUES (?, ?, ?, ?, {self._now}, {self._now})",
+                f"VALUES ($1, $2, $3, $4, {self._now}, {self._now})",
                 (self.job, owner, host, pid),
             )
             tx.execute(
-                "INSERT INTO paro_predict_processes (job, owner, process_space, pid, pid_started) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO paro_predict_processes (job, owner, process_space, pid, pid_started) "
+                "VALUES ($1, $2, $3, $4, $5)",
                 (self.job, owner, space, pid, started),
             )
 
@@ -276,12 +279,12 @@ class Ledger:
                 # by one ordered step along the state index (two lookups, never a scan of the job's shards)
                 todo = tx.fetchone(
                     "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
-                    "WHERE job = ? AND state = ? ORDER BY start_row, shard_id LIMIT 1" + lock_rows,
+                    "WHERE job = $1 AND state = $2 ORDER BY start_row, shard_id LIMIT 1" + lock_rows,
                     (self.job, TODO),
                 )
                 expired = tx.fetchone(
                     "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
-                    f"WHERE job = ? AND state = ? AND lease_expires < {now} "
+                    f"WHERE job = $1 AND state = $2 AND lease_expires < {now} "
                     f"AND (spec_owner IS NULL OR spec_expires < {now}) "
                     "ORDER BY start_row, shard_id LIMIT 1" + lock_rows,
                     (self.job, LEASED),
@@ -295,9 +298,9 @@ class Ledger:
                     self._isolate(tx, shard_id, start, end, attempts)
                     continue
                 tx.execute(
-                    f"UPDATE paro_predict_shards SET state = ?, owner = ?, lease_expires = {now} + ?, "
+                    f"UPDATE paro_predict_shards SET state = $1, owner = $2, lease_expires = {now} + $3, "
                     f"leased_at = {now}, attempts = attempts + 1, spec_owner = NULL, spec_expires = NULL "
-                    "WHERE job = ? AND shard_id = ?",
+                    "WHERE job = $4 AND shard_id = $5",
                     (LEASED, owner, lease_ttl_s, self.job, shard_id),
                 )
                 return Lease(shard_id, start, end, attempts + 1, speculative=False)
@@ -305,16 +308,16 @@ class Ledger:
             if speculate_after_s is not None:
                 row = tx.fetchone(
                     "SELECT shard_id, start_row, end_row, attempts FROM paro_predict_shards "
-                    f"WHERE job = ? AND state = ? AND owner <> ? AND lease_expires >= {now} "
-                    f"AND leased_at <= {now} - ? AND (spec_owner IS NULL OR spec_expires < {now}) "
+                    f"WHERE job = $1 AND state = $2 AND owner <> $3 AND lease_expires >= {now} "
+                    f"AND leased_at <= {now} - $4 AND (spec_owner IS NULL OR spec_expires < {now}) "
                     "ORDER BY leased_at, shard_id LIMIT 1" + lock_rows,
                     (self.job, LEASED, owner, speculate_after_s),
                 )
                 if row is not None:
                     shard_id, start, end, attempts = (int(v) for v in row)
                     tx.execute(
-                        f"UPDATE paro_predict_shards SET spec_owner = ?, spec_expires = {now} + ? "
-                        "WHERE job = ? AND shard_id = ?",
+                        f"UPDATE paro_predict_shards SET spec_owner = $1, spec_expires = {now} + $2 "
+                        "WHERE job = $3 AND shard_id = $4",
                         (owner, lease_ttl_s, self.job, shard_id),
                     )
                     return Lease(shard_id, start, end, attempts, speculative=True)
@@ -324,7 +327,8 @@ class Ledger:
             # ORDER BY keeps PostgreSQL on the state index even when its statistics think most shards are todo)
             for state in (LEASED, TODO):
                 if tx.fetchone(
-                    "SELECT 1 FROM paro_predict_shards WHERE job = ? AND state = ? ORDER BY start_row, shard_id LIMIT 1",
+                    "SELECT 1 FROM paro_predict_shards WHERE job = $1 AND state = $2 "
+                    "ORDER BY start_row, shard_id LIMIT 1",
                     (self.job, state),
                 ) is not None:
                     return LeaseWait.WAIT
@@ -334,7 +338,8 @@ class Ledger:
         """Splits a repeatedly failing shard in two, or poisons it when it is a single row."""
         if end - start <= 1:
             tx.execute(
-                "UPDATE paro_predict_shards SET state = ?, rows_failed = ?, error = ? WHERE job = ? AND shard_id = ?",
+                "UPDATE paro_predict_shards SET state = $1, rows_failed = $2, error = $3 "
+                "WHERE job = $4 AND shard_id = $5",
                 (
                     POISONED,
                     end - start,
@@ -347,11 +352,12 @@ class Ledger:
             return
         mid = (start + end) // 2
         tx.lock()  # new shard ids are allocated one job-wide transaction at a time
-        next_id = int(tx.fetchone("SELECT MAX(shard_id) FROM paro_predict_shards WHERE job = ?", (self.job,))[0]) + 1
-        tx.execute("UPDATE paro_predict_shards SET state = ? WHERE job = ? AND shard_id = ?", (SPLIT, self.job, shard_id))
+        next_id = int(tx.fetchone("SELECT MAX(shard_id) FROM paro_predict_shards WHERE job = $1", (self.job,))[0]) + 1
+        tx.execute("UPDATE paro_predict_shards SET state = $1 WHERE job = $2 AND shard_id = $3",
+                   (SPLIT, self.job, shard_id))
         tx.executemany(
             "INSERT INTO paro_predict_shards (job, shard_id, start_row, end_row, state, attempts, parent) "
-            "VALUES (?, ?, ?, ?, ?, 0, ?)",
+            "VALUES ($1, $2, $3, $4, $5, 0, $6)",
             [(self.job, next_id, start, mid, TODO, shard_id), (self.job, next_id + 1, mid, end, TODO, shard_id)],
         )
 
@@ -360,15 +366,17 @@ class Ledger:
         now = self._now
         with self.db.transaction(self.job, exclusive=False) as tx:  # row locks suffice
             renewed = tx.execute(
-                f"UPDATE paro_predict_shards SET lease_expires = {now} + ? WHERE job = ? AND owner = ? AND state = ?",
+                f"UPDATE paro_predict_shards SET lease_expires = {now} + $1 "
+                "WHERE job = $2 AND owner = $3 AND state = $4",
                 (lease_ttl_s, self.job, owner, LEASED),
             )
             renewed += tx.execute(
-                f"UPDATE paro_predict_shards SET spec_expires = {now} + ? WHERE job = ? AND spec_owner = ? AND state = ?",
+                f"UPDATE paro_predict_shards SET spec_expires = {now} + $1 "
+                "WHERE job = $2 AND spec_owner = $3 AND state = $4",
                 (lease_ttl_s, self.job, owner, LEASED),
             )
             tx.execute(
-                f"UPDATE paro_predict_workers SET last_seen = {now} WHERE job = ? AND owner = ?", (self.job, owner)
+                f"UPDATE paro_predict_workers SET last_seen = {now} WHERE job = $1 AND owner = $2", (self.job, owner)
             )
         return max(renewed, 0)
 
@@ -378,8 +386,8 @@ class Ledger:
         shard. Use ``reclaim`` for a worker that died."""
         with self.db.transaction(self.job) as tx:
             tx.execute(
-                "UPDATE paro_predict_shards SET state = ?, owner = NULL, lease_expires = NULL, leased_at = NULL, "
-                "attempts = attempts - 1 WHERE job = ? AND owner = ? AND state = ?",
+                "UPDATE paro_predict_shards SET state = $1, owner = NULL, lease_expires = NULL, leased_at = NULL, "
+                "attempts = attempts - 1 WHERE job = $2 AND owner = $3 AND state = $4",
                 (TODO, self.job, owner, LEASED),
             )
             self._drop_speculation(tx, owner)
@@ -390,7 +398,7 @@ class Ledger:
         with self.db.transaction(self.job) as tx:
             tx.execute(
                 f"UPDATE paro_predict_shards SET lease_expires = {self._now} - 1 "
-                "WHERE job = ? AND owner = ? AND state = ?",
+                "WHERE job = $1 AND owner = $2 AND state = $3",
                 (self.job, owner, LEASED),
             )
             self._drop_speculation(tx, owner)
@@ -398,7 +406,7 @@ class Ledger:
     def _drop_speculation(self, tx, owner: str) -> None:
         tx.execute(
             "UPDATE paro_predict_shards SET spec_owner = NULL, spec_expires = NULL "
-            "WHERE job = ? AND spec_owner = ? AND state = ?",
+            "WHERE job = $1 AND spec_owner = $2 AND state = $3",
             (self.job, owner, LEASED),
         )
 
@@ -413,7 +421,7 @@ class Ledger:
             "JOIN paro_predict_shards s ON s.job = p.job "
             f"AND ((s.owner = p.owner AND s.lease_expires >= {self._now}) "
             f"OR (s.spec_owner = p.owner AND s.spec_expires >= {self._now})) "
-            "WHERE p.job = ? AND p.process_space = ? AND s.state = ?",
+            "WHERE p.job = $1 AND p.process_space = $2 AND s.state = $3",
             (self.job, space, LEASED),
         )
         dead = [owner for owner, pid, started in rows if process_gone(int(pid), started)]
@@ -428,15 +436,15 @@ class Ledger:
         """Marks a shard committed once its file is durably on disk. The first commit wins."""
         with self.db.transaction(self.job, exclusive=False) as tx:  # row locks suffice
             changed = tx.execute(
-                "UPDATE paro_predict_shards SET state = ?, rows_written = ?, rows_failed = ?, file = ?, "
-                f"committed_at = {self._now}, committed_by = ?, spec_owner = NULL WHERE job = ? AND shard_id = ? "
-                "AND state IN (?, ?)",
+                "UPDATE paro_predict_shards SET state = $1, rows_written = $2, rows_failed = $3, file = $4, "
+                f"committed_at = {self._now}, committed_by = $5, spec_owner = NULL WHERE job = $6 AND shard_id = $7 "
+                "AND state IN ($8, $9)",
                 (COMMITTED, rows_written, rows_failed, file, owner, self.job, shard_id, TODO, LEASED),
             )
             if changed == 1:
                 return CommitResult.COMMITTED
             row = tx.fetchone(
-                "SELECT state FROM paro_predict_shards WHERE job = ? AND shard_id = ?", (self.job, shard_id)
+                "SELECT state FROM paro_predict_shards WHERE job = $1 AND shard_id = $2", (self.job, shard_id)
             )
         if row is not None and row[0] == COMMITTED:
             return CommitResult.ALREADY_COMMITTED
@@ -444,10 +452,10 @@ class Ledger:
 
     def shards(self, states: Optional[tuple[str, ...]] = None) -> list[ShardRecord]:
         """All shards of the job (optionally only those in ``states``), ordered by first row."""
-        sql = f"SELECT {SHARD_COLUMNS} FROM paro_predict_shards WHERE job = ?"
+        sql = f"SELECT {SHARD_COLUMNS} FROM paro_predict_shards WHERE job = $1"
         params: list = [self.job]
         if states:
-            sql += " AND state IN (" + ", ".join("?" for _ in states) + ")"
+            sql += " AND state IN (" + ", ".join(f"${n}" for n in range(2, 2 + len(states))) + ")"
             params.extend(states)
         rows = self.db.query(sql + " ORDER BY start_row, shard_id", params)
         # a status read of a 100,000-shard job builds 100,000 records: filled in one step each, not field by field
@@ -463,7 +471,7 @@ class Ledger:
     def failed_rows(self) -> int:
         """Rows isolated as poison so far, over the whole job."""
         row = self.db.query(
-            "SELECT COALESCE(SUM(rows_failed), 0) FROM paro_predict_shards WHERE job = ? AND state IN (?, ?)",
+            "SELECT COALESCE(SUM(rows_failed), 0) FROM paro_predict_shards WHERE job = $1 AND state IN ($2, $3)",
             (self.job, COMMITTED, POISONED),
         )
         return int(row[0][0])
@@ -471,7 +479,8 @@ class Ledger:
     def workers(self) -> list[tuple[str, str, int, float, float]]:
         """``(owner, host, pid, started_at, last_seen)`` of every worker that ever joined the job."""
         rows = self.db.query(
-            "SELECT owner, host, pid, started_at, last_seen FROM paro_predict_workers WHERE job = ? ORDER BY started_at",
+            "SELECT owner, host, pid, started_at, last_seen FROM paro_predict_workers "
+            "WHERE job = $1 ORDER BY started_at",
             (self.job,),
         )
         return [(r[0], r[1], int(r[2]), float(r[3]), float(r[4])) for r in rows]
@@ -479,5 +488,5 @@ class Ledger:
     def stored_inputs(self) -> Optional[list]:
         """The job's source units as stored when it was created (``[[id, rows, fingerprint], ...]``), or None (no
         job yet, or a job over a dataset's index space): what a joining worker takes instead of listing them."""
-        rows = self.db.query("SELECT units FROM paro_predict_inputs WHERE job = ?", (self.job,))
+        rows = self.db.query("SELECT units FROM paro_predict_inputs WHERE job = $1", (self.job,))
         return json.loads(rows[0][0]) if rows else None

@@ -15,5 +15,5 @@ def pass_time(ledger: Ledger, seconds: float) -> None:
     """As if ``seconds`` passed on the database's clock for ``ledger``'s job: every time it stores moves back."""
     with ledger.db.transaction(ledger.job) as tx:
         for table, columns in _TIMES.items():
-            moved = ", ".join(f"{c} = {c} - ?" for c in columns)
-            tx.execute(f"UPDATE {table} SET {moved} WHERE job = ?", (*[seconds] * len(columns), ledger.job))
+            moved = ", ".join(f"{c} = {c} - $2" for c in columns)
+            tx.execute(f"UPDATE {table} SET {moved} WHERE job = $1", (ledger.job, seconds))

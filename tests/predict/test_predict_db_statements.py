@@ -1,31 +1,32 @@
-"""Statements reach both drivers intact: parameter markers are translated, literals are not."""
+"""Statements reach both drivers as written: ``$1``, ``$2``, ... are parameters (a number may repeat), and what is
+inside a literal (a ``?``, a ``%``, a ``$1``) is text."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_paro.predict.db import Database, advisory_key, to_pyformat
+from lightning_paro.predict.db import Database, advisory_key, sqlite_params
 
 
-def test_only_markers_outside_literals_become_pyformat_and_percent_is_escaped():
-    assert to_pyformat("SELECT a FROM t WHERE b = ? AND c = ?") == "SELECT a FROM t WHERE b = %s AND c = %s"
-    assert to_pyformat("SELECT 'why?', ? WHERE x LIKE '5%'") == "SELECT 'why?', %s WHERE x LIKE '5%%'"
-    assert to_pyformat("SELECT 'it''s ?', \"col?\" FROM t") == "SELECT 'it''s ?', \"col?\" FROM t"
-    assert to_pyformat("SELECT 7 % 3 -- what?\nWHERE a = ?") == "SELECT 7 %% 3 -- what?\nWHERE a = %s"
-    assert to_pyformat("SELECT /* ? */ ?") == "SELECT /* ? */ %s"
+def test_sqlite_binds_the_numbered_parameters_by_name():
+    assert sqlite_params(("a", 5)) == {"1": "a", "2": 5}
+    assert sqlite_params(()) == {}
 
 
 @pytest.mark.parametrize(
     "statement, params, expected",
     [
-        ("SELECT 'a?b', ?", (5,), ("a?b", 5)),
-        ("SELECT '100%', ?", ("x",), ("100%", "x")),
-        ("SELECT 7 % 3, ?", (1,), (1, 1)),
-        ("SELECT 'it''s?' || ?, 'q'", ("!",), ("it's?!", "q")),
-        ("SELECT ? -- a comment with ? and %\n", (2,), (2,)),
+        ("SELECT 'a?b', $1", (5,), ("a?b", 5)),
+        ("SELECT '100%', $1", ("x",), ("100%", "x")),
+        ("SELECT 7 % 3, $1", (1,), (1, 1)),
+        ("SELECT 'it''s?' || $1, 'q'", ("!",), ("it's?!", "q")),
+        ("SELECT $1 -- a comment with ? and % and $2\n", (2,), (2,)),
+        ("SELECT '$1', $1", ("x",), ("$1", "x")),
+        # a number used twice is one parameter, and the numbers need not come in order
+        ("SELECT $2, $1, $2 + 1", (10, 20), (20, 10, 21)),
     ],
 )
-def test_literal_question_marks_and_percents_reach_the_database_intact(ledger_location, statement, params, expected):
+def test_markers_and_literals_reach_the_database_intact(ledger_location, statement, params, expected):
     db = Database(ledger_location)
     try:
         assert tuple(db.query(statement, params)[0]) == expected
@@ -42,9 +43,12 @@ def test_like_pattern_with_a_percent_and_a_question_mark_in_data(ledger_location
             tx.execute("CREATE TABLE IF NOT EXISTS paro_test_literals (name TEXT)")
             tx.execute("DELETE FROM paro_test_literals")
             tx.insert_rows("paro_test_literals", ["name"], [("what?",), ("50% off",), ("plain",)])
-        rows = db.query("SELECT name FROM paro_test_literals WHERE name LIKE '%?%' OR name LIKE ? ORDER BY name",
+            tx.executemany("INSERT INTO paro_test_literals (name) VALUES ($1 || $2)", [("$", "1"), ("1", "%")])
+        rows = db.query("SELECT name FROM paro_test_literals WHERE name LIKE '%?%' OR name LIKE $1 ORDER BY name",
                         ("50%",))
         assert [r[0] for r in rows] == ["50% off", "what?"]
+        rows = db.query("SELECT name FROM paro_test_literals WHERE name IN ($1, $2) ORDER BY name", ("$1", "1%"))
+        assert [r[0] for r in rows] == ["$1", "1%"]
     finally:
         db.close()
 

@@ -151,10 +151,10 @@ def test_late_joiner_takes_shards_at_once_and_tail_is_speculated(tmp_path, worke
         time.sleep(0.02)
     # measured from the moment it joined the job (registered in the ledger), not from process start-up
     [(joined_at,)] = ledger.db.query(
-        "SELECT started_at FROM paro_predict_workers WHERE job = ? AND owner = ?", (ledger.job, "late")
+        "SELECT started_at FROM paro_predict_workers WHERE job = $1 AND owner = $2", (ledger.job, "late")
     )
     [(first_lease,)] = ledger.db.query(
-        "SELECT MIN(leased_at) FROM paro_predict_shards WHERE job = ? AND owner = ?", (ledger.job, "late")
+        "SELECT MIN(leased_at) FROM paro_predict_shards WHERE job = $1 AND owner = $2", (ledger.job, "late")
     )
     # it took work while the early worker was still running, without waiting for any rendezvous or expiry
     # (the bound is loose only because a loaded test machine can be slow to build a Trainer)

@@ -303,7 +303,7 @@ def test_a_killed_worker_on_another_host_loses_its_shard_when_its_short_lease_ex
     proc, shard_id = _start_doomed(ledger_location, job_name, ttl, heartbeat_s)
     try:
         with ledger.db.transaction(job_name) as tx:  # its entry now names another machine
-            tx.execute("UPDATE paro_predict_processes SET process_space = 'another-boot/pid:[1]' WHERE owner = ?",
+            tx.execute("UPDATE paro_predict_processes SET process_space = 'another-boot/pid:[1]' WHERE owner = $1",
                        ("doomed",))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=30)  # reaped: its pid does not exist here any more either
@@ -329,7 +329,7 @@ def test_a_reused_pid_is_a_dead_worker_and_a_live_one_is_not(ledger_location, jo
         ledger.lease("live", lease_ttl_s=60)
         ledger.lease("reused", lease_ttl_s=60)
         with ledger.db.transaction(job_name) as tx:  # this pid, but a process that started at another time
-            tx.execute("UPDATE paro_predict_processes SET pid_started = pid_started - 1 WHERE job = ? AND owner = ?",
+            tx.execute("UPDATE paro_predict_processes SET pid_started = pid_started - 1 WHERE job = $1 AND owner = $2",
                        (job_name, "reused"))
         assert ledger.reclaim_dead_neighbours() == ["reused"]
         assert ledger.reclaim_dead_neighbours() == []  # its leases are expired now: nothing more to reclaim

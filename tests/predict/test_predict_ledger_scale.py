@@ -18,13 +18,13 @@ def _job(tmp_path, name: str, shards: int, committed: int, leased_by_other: int 
     ledger.ensure_job(shards, 1)
     with ledger.db.transaction("job") as tx:
         tx.execute(
-            "UPDATE paro_predict_shards SET state = ?, rows_written = 1, rows_failed = 0, file = 'f', "
-            "committed_at = 1.0, committed_by = 'w0' WHERE job = ? AND shard_id < ?",
+            "UPDATE paro_predict_shards SET state = $1, rows_written = 1, rows_failed = 0, file = 'f', "
+            "committed_at = 1.0, committed_by = 'w0' WHERE job = $2 AND shard_id < $3",
             (COMMITTED, "job", committed),
         )
         tx.execute(
-            "UPDATE paro_predict_shards SET state = ?, owner = 'other', lease_expires = 1e12, leased_at = 1.0, "
-            "attempts = 1 WHERE job = ? AND shard_id >= ? AND shard_id < ?",
+            "UPDATE paro_predict_shards SET state = $1, owner = 'other', lease_expires = 1e12, leased_at = 1.0, "
+            "attempts = 1 WHERE job = $2 AND shard_id >= $3 AND shard_id < $4",
             (LEASED, "job", committed, committed + leased_by_other),
         )
     return ledger
@@ -146,7 +146,7 @@ def test_postgres_plans_of_lease_commit_and_renew_use_indexes_not_scans(postgres
         ledger.ensure_job(10_100, 1)
         with ledger.db.transaction(job_name) as tx:
             tx.execute(
-                "UPDATE paro_predict_shards SET state = ?, committed_at = 1.0 WHERE job = ? AND shard_id < ?",
+                "UPDATE paro_predict_shards SET state = $1, committed_at = 1.0 WHERE job = $2 AND shard_id < $3",
                 (COMMITTED, job_name, 10_000),
             )
         # no ANALYZE here: the statistics are those ensure_job left (every shard todo)
@@ -175,8 +175,8 @@ def test_postgres_plans_of_lease_commit_and_renew_use_indexes_not_scans(postgres
             assert "Seq Scan" not in plan and "Sort" not in plan, (statement, plan)
     finally:
         with ledger.db.transaction(job_name) as tx:
-            tx.execute("DELETE FROM paro_predict_shards WHERE job = ?", (job_name,))
-            tx.execute("DELETE FROM paro_predict_jobs WHERE job = ?", (job_name,))
+            tx.execute("DELETE FROM paro_predict_shards WHERE job = $1", (job_name,))
+            tx.execute("DELETE FROM paro_predict_jobs WHERE job = $1", (job_name,))
         ledger.close()
 
 
@@ -204,6 +204,6 @@ def test_postgres_jobs_do_not_wait_for_each_others_locks(postgres_url, job_name)
     finally:
         for ledger in (busy, other):
             with ledger.db.transaction(ledger.job) as tx:
-                tx.execute("DELETE FROM paro_predict_shards WHERE job = ?", (ledger.job,))
-                tx.execute("DELETE FROM paro_predict_jobs WHERE job = ?", (ledger.job,))
+                tx.execute("DELETE FROM paro_predict_shards WHERE job = $1", (ledger.job,))
+                tx.execute("DELETE FROM paro_predict_jobs WHERE job = $1", (ledger.job,))
             ledger.close()
