@@ -1,5 +1,6 @@
 """Elastic, exactly-once, resumable batch prediction for ``Trainer.predict``."""
 
+from lightning_paro.predict.builtin_sources import JsonlSource, ParquetSource, PathSource, TextSource
 from lightning_paro.predict.callback import ElasticPredict
 from lightning_paro.predict.config import ElasticPredictConfig
 from lightning_paro.predict.db import LedgerUnavailableError
@@ -7,11 +8,10 @@ from lightning_paro.predict.ledger import JobMismatchError, Ledger
 from lightning_paro.predict.manifest import JobIncompleteError
 from lightning_paro.predict.pipeline import PipelineReport, PipelineStage, PipelineStageError, run_pipeline
 from lightning_paro.predict.progress import JobProgress, read_progress
-from lightning_paro.predict.reader import iter_predictions, read_errors, read_predictions
-from lightning_paro.predict.readers import JsonlSource, ParquetSource, PathSource, TextSource
-from lightning_paro.predict.replicas import ReplicaContext, ReplicaFailedError, ReplicaReport, run_replicas
+from lightning_paro.predict.results import iter_predictions, read_errors, read_predictions
 from lightning_paro.predict.shard_files import OutputNotWritableError
 from lightning_paro.predict.sources import ShardedSource, SourceUnit
+from lightning_paro.predict.supervisor import ReplicaContext, ReplicaFailedError, ReplicaReport, run_replicas
 from lightning_paro.predict.writer import ErrorBudgetExceededError
 
 __all__ = [

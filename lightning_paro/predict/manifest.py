@@ -15,8 +15,6 @@ from lightning_paro.predict.ledger import COMMITTED, LEASED, POISONED, SPLIT, TO
 MANIFEST_NAME = "_manifest.json"
 """The job's manifest. Its leading ``_`` keeps it out of what dataset readers (Arrow, pandas, DuckDB, Spark) take for
 data when they read the output directory."""
-LEGACY_MANIFEST_NAMES = ("manifest.json",)
-"""Names versions up to 0.1.0 wrote the manifest under: still read, never written."""
 SUCCESS_NAME = "_SUCCESS"
 
 
@@ -87,7 +85,7 @@ def finalize_job(
         "max_failed_rows": max_failed_rows,
         "files": files,
         "errors_files": sorted(
-            str(p.relative_to(output_dir)) for d in shard_files.errors_dirs(output_dir) for p in d.glob("part-*.jsonl")
+            str(p.relative_to(output_dir)) for p in (output_dir / shard_files.ERRORS_DIR).glob("part-*.jsonl")
         ),
         "completed_at": time.time(),
     }
@@ -99,15 +97,15 @@ def finalize_job(
 
 def _remove_unreferenced(output_dir: Path, fmt: str, referenced: set) -> None:
     """Deletes leftover temporary files and published files of superseded shards."""
-    errors_dirs = shard_files.errors_dirs(output_dir)
-    for directory in [output_dir, *errors_dirs]:
+    directories = [output_dir, output_dir / shard_files.ERRORS_DIR]
+    for directory in directories:
         for path in directory.glob(f"{shard_files.TEMP_PREFIX}*"):
             path.unlink(missing_ok=True)
     for path in output_dir.glob(f"part-*.{fmt}"):
         if path.name not in referenced:
             path.unlink(missing_ok=True)
     now = time.time()
-    for path in [p for directory in [output_dir, *errors_dirs] for p in directory.glob(f"{_FINAL_TEMP_PREFIX}*")]:
+    for path in [p for directory in directories for p in directory.glob(f"{_FINAL_TEMP_PREFIX}*")]:
         try:
             if now - path.stat().st_mtime > _STALE_FINAL_TEMP_S:
                 path.unlink(missing_ok=True)
@@ -116,9 +114,6 @@ def _remove_unreferenced(output_dir: Path, fmt: str, referenced: set) -> None:
 
 
 def read_manifest(output_dir: Path) -> Optional[dict]:
-    """The manifest of a completed job (under its current or a legacy name); None while the job runs."""
-    for name in (MANIFEST_NAME, *LEGACY_MANIFEST_NAMES):
-        path = Path(output_dir) / name
-        if path.exists():
-            return json.loads(path.read_text())
-    return None
+    """The manifest of a completed job; None while the job runs."""
+    path = Path(output_dir) / MANIFEST_NAME
+    return json.loads(path.read_text()) if path.exists() else None

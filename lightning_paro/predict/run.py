@@ -23,7 +23,7 @@ from lightning_paro.predict.ledger import LEASED, Lease, Ledger
 from lightning_paro.predict.loader import BackgroundLoader, sharded_dataloader
 from lightning_paro.predict.manifest import finalize_job
 from lightning_paro.predict.progress import read_progress
-from lightning_paro.predict.reader import read_errors
+from lightning_paro.predict.results import read_errors
 from lightning_paro.predict.sampler import InFlightShards, ShardBatchSampler
 from lightning_paro.predict.sources import (
     UnitRetry,

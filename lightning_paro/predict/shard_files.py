@@ -26,8 +26,6 @@ TEMP_PREFIX = ".tmp-"
 ERRORS_DIR = "_errors"
 """Where rows isolated as poison are written. Every name in an output directory that is not a data file starts with
 ``_`` or ``.``, which Arrow, Spark, pandas and DuckDB skip when they read the directory as a dataset."""
-LEGACY_ERRORS_DIRS = ("errors",)
-"""Where versions up to 0.1.0 wrote them: still read, never written."""
 
 
 class OutputNotWritableError(OSError):
@@ -44,16 +42,10 @@ def errors_file_name(start_row: int, end_row: int) -> str:
     return f"{ERRORS_DIR}/part-{start_row:012d}-{end_row:012d}.jsonl"
 
 
-def errors_dirs(output_dir: Path) -> list[Path]:
-    """The errors directory and the legacy ones present in ``output_dir``."""
-    legacy = [output_dir / name for name in LEGACY_ERRORS_DIRS if (output_dir / name).is_dir()]
-    return [output_dir / ERRORS_DIR, *legacy]
-
-
 def existing_errors_file(output_dir: Path, start_row: int, end_row: int) -> Optional[Path]:
-    """A shard's published errors file, under the current or a legacy errors directory; None if there is none."""
-    name = Path(errors_file_name(start_row, end_row)).name
-    return next((d / name for d in errors_dirs(output_dir) if (d / name).exists()), None)
+    """A shard's published errors file; None if there is none."""
+    path = output_dir / errors_file_name(start_row, end_row)
+    return path if path.exists() else None
 
 
 def describe_os_error(exc: OSError, path: Path) -> str:

@@ -1,5 +1,6 @@
 """The stages of a multi-model pipeline: what a stage is, the model call and the loop of one replica process, and
-the graph of replica processes and the bounded queues between them (:class:`StageGraph`).
+the graph of replica processes and the bounded queues between them (:class:`StageGraph`, whose processes run under
+the :class:`~lightning_paro.predict.supervisor.Supervisor`).
 
 A batch travels between processes as one pickled message (:func:`pack`); a replica runs its model on it with
 poison isolation and passes the rows that passed on to the next stage, or the outcome back to the driver
@@ -8,7 +9,6 @@ poison isolation and passes the rows that passed on to the next stage, or the ou
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import queue
 import traceback
@@ -19,6 +19,7 @@ import torch
 
 from lightning_paro.predict.batch import ElasticBatch, RowFailure, StepOutcome, batch_size_of, slice_batch, take
 from lightning_paro.predict.isolation import predict_isolated
+from lightning_paro.predict.supervisor import Supervisor
 
 
 class PipelineStageError(RuntimeError):
@@ -164,28 +165,21 @@ class StageGraph:
         self.replicas = replicas
         self.row_retries = row_retries
         self.queue_size = queue_size
-        self.ctx = multiprocessing.get_context(start_method)
-        self.procs: list = []
+        self.supervisor = Supervisor(start_method, daemon=True)
         self._start()
 
     def _start(self) -> None:
-        ctx = self.ctx
+        ctx = self.supervisor.ctx
         self.queues = [ctx.Queue(maxsize=self.queue_size) for _ in self.stages]
         self.results = ctx.Queue()
-        self.procs = []
         last = len(self.stages) - 1
         try:
             for i, stage in enumerate(self.stages):
                 outbox = self.queues[i + 1] if i < last else None
                 for r in range(self.replicas[stage.name]):
-                    proc = ctx.Process(
-                        target=_stage_loop,
-                        args=(stage, i == last, self.row_retries, self.queues[i], outbox, self.results),
-                        name=f"pipeline-{stage.name}-{r}",
-                        daemon=True,
-                    )
-                    proc.start()
-                    self.procs.append((stage.name, proc))
+                    self.supervisor.start((stage.name, r), _stage_loop,
+                                          (stage, i == last, self.row_retries, self.queues[i], outbox, self.results),
+                                          f"pipeline-{stage.name}-{r}")
         except BaseException:
             self.stop(wait=False)  # the replicas started so far
             raise
@@ -215,9 +209,8 @@ class StageGraph:
         return key, payload
 
     def _check_alive(self) -> None:
-        for name, proc in self.procs:
-            if not proc.is_alive():
-                raise StageDied(f"a replica of pipeline stage {name!r} died (exit code {proc.exitcode})")
+        for (name, _), exitcode in self.supervisor.ended():
+            raise StageDied(f"a replica of pipeline stage {name!r} died (exit code {exitcode})")
 
     def restart(self) -> None:
         self.stop(wait=False)
@@ -230,12 +223,8 @@ class StageGraph:
                     self.queues[i].put_nowait(None)
                 except (queue.Full, OSError, ValueError):
                     pass
-        for _, proc in self.procs:
-            # after a failure, replicas may be blocked on a full queue forever: do not wait for them
-            proc.join(timeout=5 if wait else 0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        # after a failure, replicas may be blocked on a full queue forever: do not wait for them
+        self.supervisor.stop(grace_s=5 if wait else 0, kill_wait_s=5)
         for q in [*self.queues, self.results]:
             q.cancel_join_thread()  # never block interpreter exit on a queue nobody reads any more
             q.close()

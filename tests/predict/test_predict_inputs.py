@@ -29,7 +29,7 @@ from lightning_paro.predict import (
     read_errors,
     read_predictions,
 )
-from lightning_paro.predict import readers
+from lightning_paro.predict import builtin_sources
 from lightning_paro.predict.batch import BatchTicket
 from lightning_paro.predict.callback import SeveralRanksError
 from lightning_paro.predict.config import ElasticPredictConfig
@@ -192,10 +192,10 @@ def test_an_unsupported_column_type_is_read_row_by_row_and_logged_once(tmp_path,
     for name in ("a.parquet", "b.parquet"):
         pq.write_table(pa.table({"x": [1.0, 2.0, 3.0], "tags": [["p"], ["q", "r"], []]}), tmp_path / "in" / name,
                        row_group_size=2)
-    readers._FALLBACKS_LOGGED.clear()
+    builtin_sources._FALLBACKS_LOGGED.clear()
     source = ParquetSource(str(tmp_path / "in"))
     dataset = SourceDataset(source, source_layout(source), batched=True)
-    with caplog.at_level(logging.INFO, logger="lightning_paro.predict.readers"):
+    with caplog.at_level(logging.INFO, logger="lightning_paro.predict.builtin_sources"):
         for start in range(0, 6, 2):
             loaded = dataset.__getitems__(BatchTicket(0, 0, 6, range(start, start + 2), False, 1))
             assert loaded.batch is None and len(loaded.samples) == 2 and not loaded.failures
@@ -279,7 +279,7 @@ def test_a_large_single_row_group_is_streamed_a_slice_at_a_time(tmp_path, monkey
     pq.write_table(pa.table({"x": [float(i) for i in range(rows)]}), tmp_path / "one.parquet", row_group_size=rows)
     source = ParquetSource(str(tmp_path / "one.parquet"))
     (unit,) = source_layout(source).units
-    monkeypatch.setattr(readers, "WHOLE_ROW_GROUP_BYTES", 100_000)  # this row group holds 400 kB of x
+    monkeypatch.setattr(builtin_sources, "WHOLE_ROW_GROUP_BYTES", 100_000)  # this row group holds 400 kB of x
 
     def no_whole_read(*args, **kwargs):
         raise AssertionError("the row group was read whole")

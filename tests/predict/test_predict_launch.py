@@ -6,13 +6,15 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from lightning_paro.predict import ReplicaContext, ReplicaFailedError, run_replicas
 from lightning_paro.predict.config import LEDGER_FILE_NAME
 from lightning_paro.predict.ledger import COMMITTED, Ledger
-from lightning_paro.predict.replicas import ReplicaContext, ReplicaFailedError, run_replicas
+from lightning_paro.predict.supervisor import Supervisor
 from predict_app import JobSpec, run_job
 from predict_procs import assert_exact_output
 
@@ -88,3 +90,29 @@ def always_crash(context: ReplicaContext) -> None:
 def test_replica_crashing_past_its_budget_is_a_clear_error():
     with pytest.raises(ReplicaFailedError, match="crashed 2 times .*exit code 3"):
         run_replicas(always_crash, replicas_per_device=1, max_restarts=1, start_method="fork")
+
+
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def _sleep_long() -> None:
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisor_reaps_ended_processes_and_kills_the_rest():
+    supervisor = Supervisor("fork")
+    supervisor.start("crash", _exit_with, (3,), "crash")
+    supervisor.start("clean", _exit_with, (0,), "clean")
+    supervisor.start("hang", _sleep_long, (), "hang")
+    ended: list = []
+    for _ in range(300):
+        ended += supervisor.ended()
+        if len(ended) == 2:
+            break
+        time.sleep(0.05)
+    assert sorted(ended) == [("clean", 0), ("crash", 3)] and list(supervisor.running) == ["hang"]
+    hang = supervisor.running["hang"]
+    assert supervisor.stop(grace_s=0.1, kill_wait_s=10) == ["hang"]
+    assert not hang.is_alive() and hang.exitcode == -9 and supervisor.running == {}

@@ -24,7 +24,7 @@ from lightning_paro.predict.ledger import (
     LeaseWait,
 )
 from lightning_paro.predict.progress import read_progress
-from lightning_paro.predict.replicas import ReplicaFailedError, run_replicas
+from lightning_paro.predict import ReplicaFailedError, run_replicas
 from ledger_time import pass_time
 
 _FORK = multiprocessing.get_context("fork")

@@ -1,5 +1,5 @@
-"""A finished prediction directory is a plain Parquet dataset: pyarrow, pandas and DuckDB read it as it is, and the
-package still reads directories written under the names of earlier versions."""
+"""A finished prediction directory is a plain Parquet dataset: pyarrow, pandas and DuckDB read it as it is, as do the
+package's own readers and its status command."""
 
 from __future__ import annotations
 
@@ -59,15 +59,9 @@ def test_duckdb_reads_the_shard_files(finished):
     assert rows == [(i, 3.0 * i + 1.0) for i in _expected_rows()]
 
 
-def test_directories_written_under_the_old_names_still_read(finished, tmp_path):
-    import shutil
-
-    old = tmp_path / "old"
-    shutil.copytree(finished, old)
-    (old / "_manifest.json").rename(old / "manifest.json")
-    (old / "_errors").rename(old / "errors")
-    manifest = json.loads((old / "manifest.json").read_text())
-    assert read_predictions(old).column("row_id").to_pylist() == _expected_rows()
-    assert sorted(e["row_id"] for e in read_errors(old)) == list(POISON)
-    report = status_report(old, None, os.path.abspath(finished))
+def test_the_packages_readers_and_status_read_the_directory(finished):
+    manifest = json.loads((finished / "_manifest.json").read_text())
+    assert read_predictions(finished).column("row_id").to_pylist() == _expected_rows()
+    assert sorted(e["row_id"] for e in read_errors(finished)) == list(POISON)
+    report = status_report(finished, None, os.path.abspath(finished))
     assert report["manifest"] and report["success"] and manifest["rows_failed"] == 2

@@ -1,4 +1,8 @@
-"""Several predictor processes per device, each restarted when it crashes (the predictor scheduler)."""
+"""The one supervisor of prediction processes (:class:`Supervisor`): it starts child processes, notices those that
+ended, and stops the rest. Two things run on it: replicas (:func:`run_replicas`: several predictor processes per
+device, each restarted on its own when it crashes) and the stage processes of a pipeline
+(:class:`lightning_paro.predict.stages.StageGraph`, restarted together with their queues).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,49 @@ import multiprocessing
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from lightning_paro.predict.ledger import Ledger
 
 log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """Child processes of this process, each under a key: started, reaped when they end, stopped."""
+
+    def __init__(self, start_method: str, daemon: bool = False) -> None:
+        self.ctx = multiprocessing.get_context(start_method)
+        self.daemon = daemon
+        self.running: dict = {}
+        """``{key: process}`` of the processes started and not yet reaped."""
+
+    def start(self, key: Hashable, target: Callable, args: tuple, name: str) -> None:
+        proc = self.ctx.Process(target=target, args=args, name=name, daemon=self.daemon)
+        proc.start()
+        self.running[key] = proc
+
+    def ended(self) -> list[tuple[Hashable, Optional[int]]]:
+        """``(key, exit code)`` of the processes that ended since the last call; they are reaped and forgotten."""
+        out = []
+        for key, proc in list(self.running.items()):
+            if not proc.is_alive():
+                proc.join()
+                del self.running[key]
+                out.append((key, proc.exitcode))
+        return out
+
+    def stop(self, grace_s: float = 0.0, kill_wait_s: float = 30.0) -> list[Hashable]:
+        """Waits up to ``grace_s`` for each process to end by itself, then kills it; returns the keys of those killed
+        (stopped here rather than ended). Every process is forgotten afterwards."""
+        killed = []
+        for key, proc in self.running.items():
+            proc.join(timeout=grace_s)
+            if proc.is_alive():
+                proc.kill()
+                killed.append(key)
+                proc.join(timeout=kill_wait_s)
+        self.running = {}
+        return killed
 
 
 class ReplicaFailedError(RuntimeError):
@@ -42,10 +84,6 @@ class ReplicaReport:
     """Restarts of each slot."""
 
 
-def _replica_entry(target: Callable[[ReplicaContext], None], context: ReplicaContext) -> None:
-    target(context)
-
-
 def run_replicas(
     target: Callable[[ReplicaContext], None],
     replicas_per_device: int = 2,
@@ -67,11 +105,11 @@ def run_replicas(
     """
     if replicas_per_device < 1 or not devices:
         raise ValueError("replicas_per_device must be >= 1 and devices non-empty")
-    ctx = multiprocessing.get_context(start_method)
+    supervisor = Supervisor(start_method)
     host = socket.gethostname()
     slots = [(slot, device) for slot, device in enumerate(d for d in devices for _ in range(replicas_per_device))]
     report = ReplicaReport(restarts={slot: 0 for slot, _ in slots})
-    running: dict = {}
+    contexts: dict = {}
 
     def hand_back(worker_name: str, died: bool) -> None:
         if ledger is None or job is None:
@@ -87,44 +125,34 @@ def run_replicas(
 
     def start(slot: int, device: str) -> None:
         restart = report.restarts[slot]
-        context = ReplicaContext(slot, device, restart, f"{host}-replica{slot}-r{restart}")
-        proc = ctx.Process(target=_replica_entry, args=(target, context), name=f"predict-replica-{slot}")
-        proc.start()
-        running[slot] = (proc, context)
+        contexts[slot] = context = ReplicaContext(slot, device, restart, f"{host}-replica{slot}-r{restart}")
+        supervisor.start(slot, target, (context,), f"predict-replica-{slot}")
 
     for slot, device in slots:
         start(slot, device)
     try:
-        while running:
+        while supervisor.running:
             time.sleep(poll_s)
-            for slot, (proc, context) in list(running.items()):
-                if proc.is_alive():
-                    continue
-                proc.join()
-                del running[slot]
-                if proc.exitcode == 0:
+            for slot, exitcode in supervisor.ended():
+                context = contexts[slot]
+                if exitcode == 0:
                     report.exit_codes[slot] = 0
                     continue
-                log.warning("replica %d on %s exited with %s", slot, context.device, proc.exitcode)
+                log.warning("replica %d on %s exited with %s", slot, context.device, exitcode)
                 hand_back(context.worker_name, died=True)
                 if report.restarts[slot] >= max_restarts:
-                    report.exit_codes[slot] = proc.exitcode
+                    report.exit_codes[slot] = exitcode
                     raise ReplicaFailedError(
                         f"replica {slot} on {context.device} crashed {report.restarts[slot] + 1} times (last exit code "
-                        f"{proc.exitcode}); raise max_restarts or look at its log. Committed shards are kept: rerunning "
+                        f"{exitcode}); raise max_restarts or look at its log. Committed shards are kept: rerunning "
                         "resumes the job."
                     )
                 report.restarts[slot] += 1
                 start(slot, context.device)
     finally:
-        for proc, context in running.values():
-            stopped_here = proc.is_alive()
-            if stopped_here:
-                proc.kill()
-            proc.join(timeout=30)
-            if stopped_here:
-                try:
-                    hand_back(context.worker_name, died=False)
-                except Exception as exc:  # the ledger may be what failed: the leases then expire
-                    log.warning("could not hand back the leases of replica %d: %s", context.slot, exc)
+        for slot in supervisor.stop():
+            try:
+                hand_back(contexts[slot].worker_name, died=False)
+            except Exception as exc:  # the ledger may be what failed: the leases then expire
+                log.warning("could not hand back the leases of replica %d: %s", slot, exc)
     return report

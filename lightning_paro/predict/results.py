@@ -66,7 +66,7 @@ def iter_predictions(
 
 def read_errors(output_dir: Union[str, Path]) -> list[dict]:
     """Every row isolated as poison: its index, stage, exception and traceback, in input order."""
-    paths = [p for d in shard_files.errors_dirs(Path(output_dir)) for p in d.glob("part-*.jsonl")]
+    paths = (Path(output_dir) / shard_files.ERRORS_DIR).glob("part-*.jsonl")
     records = []
     for path in sorted(paths, key=lambda p: p.name):
         with open(path) as f:
