@@ -16,15 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import RESULTS, SETTINGS, run_one, with_run  # noqa: E402
-
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "": (),
-    "bf16": ("strategy.param_dtype=bf16", "strategy.reduce_dtype=bf16"),
-    "int8": ("strategy.inter_quant=int8",),
-    "bf16+int8": ("strategy.param_dtype=bf16", "strategy.reduce_dtype=bf16", "strategy.inter_quant=int8"),
-}
-"""The strategy options each variant sets (after ``~`` in a system's name)."""
+from run import RESULTS, SETTINGS, VARIANTS, run_one, with_run  # noqa: E402  (puts bench/ on the path too)
+from provenance import stamp  # noqa: E402
 SYSTEMS = ["ddp", "paro_nig", "paro_iig", "paro_iig~bf16", "paro_iig~int8", "paro_iig~bf16+int8",
            "paro_nig~bf16+int8"]
 
@@ -72,7 +65,8 @@ def main() -> None:
             rows[system] = with_run(rows.get(system) if "error" not in rows.get(system, {}) else None, row)
             ordered = [rows[k] for k in systems if k in rows]
             path.write_text(json.dumps({"setting": args.setting, "nodes": s.nodes, "ranks_per_node": s.per_node,
-                                        "mbit": s.mbit, "accumulation": s.accumulation, "rows": ordered}, indent=2))
+                                        "mbit": s.mbit, "accumulation": s.accumulation, "rows": ordered,
+                                        "provenance": stamp()}, indent=2))
     path.with_suffix(".md").write_text(table([rows[k] for k in systems]) + "\n")
 
 

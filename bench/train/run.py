@@ -15,11 +15,16 @@ with results in ``bench/results/train/run/``; each setting's first run of auto s
 own: ``LINK_CACHE``), later ones find what it stored, and where runs are added to stored ones and the cache is gone, an
 uncounted run of auto stores the links first.
 
+``--set compression`` runs PaRO's communication options beside the anchors' own (``COMPRESSION_SETTINGS``: 2x2 and
+4x2, 100 Mbit/s and 1 Gbit/s, A = 1 and 4; ``COMPRESSION_SYSTEMS``), every system through ``anchors.py``'s worker so
+that each row's bytes between groups per step are the NIC counters over its timed steps; results in
+``bench/results/train/compression/``.
+
 ``--set choice`` runs the settings ``sharding="auto"`` is scored on (``CHOICE_SETTINGS``: auto beside the strategies
 that contend there) and the re-planning check, with results in ``bench/results/train/choice/``; ``--fresh`` drops
 the listed systems' stored runs before ``--more`` adds new ones.
 
-Usage (root): ``python bench/train/run.py [--set sweep|choice|run] [--settings 2x2-100m-a4,...]
+Usage (root): ``python bench/train/run.py [--set sweep|choice|run|compression] [--settings 2x2-100m-a4,...]
 [--systems ddp,fsdp2,paro_iig,...] [--redo] [--fresh] [--more N]``
 """
 
@@ -38,12 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from anchors import ANCHORS  # noqa: E402
+from provenance import stamp  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "train"
 PARO = ["paro_" + s.lower() for s in ("NNN", "NNI", "NNG", "NIG", "NGG", "INI", "ING", "IIG", "IGG", "GNG", "GIG",
                                       "GGG", "NII", "III")]
-SYSTEMS = ["ddp", "fsdp2", "hsdp", *PARO, "paro"]
-"""``paro`` is ``sharding="auto"`` with its defaults (its link cache on: a later run on the same emulated cluster
+SYSTEMS = ["ddp", "fsdp2", "hsdp", *PARO, "paro", *ANCHORS]
+"""The anchors (``anchors.py``: DDP with a bf16 or PowerSGD hook, FSDP2/HSDP with a bf16 mixed-precision policy) are
+run by the ``compression`` set; a system ``NAME~VARIANT`` is a PaRO strategy with a communication variant
+(``VARIANTS``). ``paro`` is ``sharding="auto"`` with its defaults (its link cache on: a later run on the same emulated cluster
 reuses the links an earlier one probed, once checked). Also runnable by name: ``paro@NGG`` (auto started on
 NGG)."""
 
@@ -83,6 +95,32 @@ SETTINGS = {
     "4x2-100m-a4-peft": Setting(4, 2, 100, 4, trainable_blocks=1),
 }
 """The sweep: every system in each setting (``bench/results/train/<setting>.json``; ``report.py``'s tables)."""
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "": (),
+    "bf16": ("strategy.param_dtype=bf16", "strategy.reduce_dtype=bf16"),
+    "int8": ("strategy.inter_quant=int8",),
+    "int8ef": ("strategy.inter_quant=int8", "strategy.error_feedback=true"),
+    "bf16+int8": ("strategy.param_dtype=bf16", "strategy.reduce_dtype=bf16", "strategy.inter_quant=int8"),
+}
+"""The strategy options each communication variant sets (after ``~`` in a system's name)."""
+
+COMPRESSION_SETTINGS = {
+    **{name: SETTINGS[name] for name in ("2x2-100m-a1", "2x2-100m-a4", "2x2-1g-a1", "2x2-1g-a4", "4x2-100m-a1",
+                                         "4x2-100m-a4")},
+    "4x2-1g-a1": Setting(4, 2, 1000, 1, timed_steps=6),
+    "4x2-1g-a4": Setting(4, 2, 1000, 4, timed_steps=4),
+}
+"""Point 1's grid: 2x2 and 4x2, 100 Mbit/s and 1 Gbit/s, A = 1 and 4 (results in ``bench/results/train/compression/``)."""
+PRECISION = {
+    "fp32": ("ddp", "fsdp2", "hsdp", "paro_nng", "paro_nig", "paro_iig"),
+    "bf16": ("ddp_bf16hook", "fsdp2_bf16", "hsdp_bf16", "paro_nng~bf16", "paro_nig~bf16", "paro_iig~bf16"),
+    "lossy (low-rank or int8 between groups)": ("ddp_powersgd", "paro_nig~int8", "paro_nig~int8ef",
+                                                "paro_nig~bf16+int8", "paro_iig~bf16+int8"),
+}
+"""The compression table's blocks: each PaRO option beside the anchors of the same precision."""
+COMPRESSION_SYSTEMS = [system for block in PRECISION.values() for system in block]
+COMPRESSION_RESULTS = RESULTS / "compression"
 
 SWEEP_CONTENDERS = {
     "2x2-1g-a1": ("paro_nng", "paro_ngg", "paro_nig"),
@@ -154,10 +192,20 @@ MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64",
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
 
 
-def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), cwd: Path = ROOT) -> dict:
-    """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes);
-    ``cwd``: the tree whose package runs (``python -m`` finds the working directory's first)."""
-    if system.split("@")[0] == "paro":  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
+def command(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), worker: bool = False,
+            timeout: int = 1200) -> list[str]:
+    """The command line of one run of ``system`` in setting ``s`` (see :func:`run_one`)."""
+    system, _, variant = system.partition("~")
+    if variant not in VARIANTS:
+        raise SystemExit(f"no communication variant {variant!r}: the variants are {', '.join(v for v in VARIANTS if v)}")
+    extra = (*VARIANTS[variant], *extra)
+    warmup = 1
+    if system in ANCHORS:
+        worker = True
+        strategy = ["strategy=" + ("ddp" if system.startswith("ddp") else "fsdp2")]
+        if system == "ddp_powersgd":
+            warmup = 2  # torch's PowerSGD all-reduces plainly before start_powerSGD_iter (2 here): timed steps compress
+    elif system.split("@")[0] == "paro":  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
         strategy = ["strategy=paro", "strategy.sharding=auto"]
         if "@" in system:
             strategy.append(f"strategy.first_plan={system.split('@')[1]}")
@@ -168,16 +216,34 @@ def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), cwd
     if system.startswith("paro"):
         strategy.append(f"strategy.group_size={s.per_node}")
     peft = [f"model.trainable_blocks={s.trainable_blocks}"] if s.trainable_blocks is not None else []
-    cmd = [sys.executable, str(ROOT / "bench" / "cluster.py"), "--nodes", str(s.nodes), "--ranks-per-node",
-           str(s.per_node), "--rate-mbit", str(s.mbit), "--nic", "node", "--timeout", "1200", "--",
-           "-m", "lightning_paro", "bench", *strategy, "trainer.accelerator=cpu", f"trainer.devices={s.per_node}",
-           f"trainer.num_nodes={s.nodes}", f"trainer.accumulate_grad_batches={s.accumulation}",
-           "trainer.enable_progress_bar=false", "bench.warmup_steps=1", f"bench.steps={s.timed_steps}",
-           f"run.dir={out}", *MODEL, *peft, *extra]
+    entry = ([str(ROOT / "bench" / "train" / "anchors.py"), "--anchor", system if system in ANCHORS else "none", "--"]
+             if worker else ["-m", "lightning_paro", "bench"])
+    return [sys.executable, str(ROOT / "bench" / "cluster.py"), "--nodes", str(s.nodes), "--ranks-per-node",
+            str(s.per_node), "--rate-mbit", str(s.mbit), "--nic", "node", "--timeout", str(timeout), "--",
+            *entry, *strategy, "trainer.accelerator=cpu", f"trainer.devices={s.per_node}",
+            f"trainer.num_nodes={s.nodes}", f"trainer.accumulate_grad_batches={s.accumulation}",
+            "trainer.enable_progress_bar=false", f"bench.warmup_steps={warmup}", f"bench.steps={s.timed_steps}",
+            f"run.dir={out}", *MODEL, *peft, *extra]
+
+
+def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), cwd: Path = ROOT, worker: bool = False,
+            model: Optional[list[str]] = None, timeout: int = 1200) -> dict:
+    """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes);
+    ``cwd``: the tree whose package runs (``python -m`` finds the working directory's first); ``worker``: through
+    ``anchors.py``'s worker (anchors always are), which adds the NIC bytes of the timed steps; ``model``: overrides
+    in place of ``MODEL`` (a tiny model for tests)."""
+    cmd = command(system, s, out, extra, worker, timeout)
+    if model is not None:
+        first = cmd.index(MODEL[0])
+        cmd[first:first + len(MODEL)] = model
     report = out / "bench.json"
     report.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout + 120)
+    except subprocess.TimeoutExpired as exc:  # cluster.py's own timeout should have ended it: its output, if any
+        return {"system": system, "error": f"no report after {timeout + 120} s: {str(exc.stdout or '')[-1500:]}",
+                "wall_s": time.perf_counter() - started}
     wall = time.perf_counter() - started
     if not report.exists():
         return {"system": system, "error": proc.stdout[-1500:] + proc.stderr[-1500:], "wall_s": wall}
@@ -202,9 +268,10 @@ def with_run(old: Optional[dict], new: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--set", choices=("sweep", "choice", "run"), default="sweep",
+    ap.add_argument("--set", choices=("sweep", "choice", "run", "compression"), default="sweep",
                     help="sweep: every system (results/train/); choice: auto's criterion and the re-planning check"
-                         " (results/train/choice/); run: auto over longer runs, start-up paid (results/train/run/)")
+                         " (results/train/choice/); run: auto over longer runs, start-up paid (results/train/run/);"
+                         " compression: PaRO's options beside the anchors' (results/train/compression/)")
     ap.add_argument("--settings", default=None, help="default: every setting of the set")
     ap.add_argument("--systems", default=None, help="default: the setting's contenders, else every system")
     ap.add_argument("--redo", action="store_true", help="rerun the listed systems even where they have a result (others are kept)")
@@ -214,7 +281,8 @@ def main() -> None:
                     help="add N runs of each listed system, pass by pass; rows become the median run")
     args = ap.parse_args()
     settings, results = {"sweep": (SETTINGS, RESULTS), "choice": ({**CHOICE_SETTINGS, **REPLAN_SETTINGS}, CHOICE_RESULTS),
-                         "run": (RUN_SETTINGS, RUN_RESULTS)}[args.set]
+                         "run": (RUN_SETTINGS, RUN_RESULTS),
+                         "compression": (COMPRESSION_SETTINGS, COMPRESSION_RESULTS)}[args.set]
     results.mkdir(parents=True, exist_ok=True)
     for name in (args.settings.split(",") if args.settings else list(settings)):
         if name not in settings:
@@ -223,7 +291,8 @@ def main() -> None:
         path = results / f"{name}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         rows = {r["system"]: r for r in old.get("rows", []) if "error" not in r}
-        listed = args.systems.split(",") if args.systems else list(s.contenders or SYSTEMS)
+        default = COMPRESSION_SYSTEMS if args.set == "compression" else list(s.contenders or SYSTEMS[:-len(ANCHORS)])
+        listed = args.systems.split(",") if args.systems else default
         if args.fresh:
             rows = {k: v for k, v in rows.items() if k not in listed}
         work, cache = WORK / args.set / name, LINK_CACHE / name
@@ -240,15 +309,18 @@ def main() -> None:
         for system in listed * max(1, args.more):  # --more: pass after pass over the systems
             if system in rows and not (args.redo or args.more):
                 continue
-            row = run_one(system, s, work / system)
+            row = run_one(system, s, work / system.replace("~", "-").replace("+", "-"),
+                          worker=args.set == "compression")
             rows[system] = with_run(rows.get(system), row) if args.more else row
             print(name, json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "final_loss", "error",
                                                            "auto_choice")}), flush=True)
-            ordered = [rows[k] for k in SYSTEMS if k in rows] + [rows[k] for k in rows if k not in SYSTEMS]
+            order = COMPRESSION_SYSTEMS if args.set == "compression" else SYSTEMS
+            ordered = [rows[k] for k in order if k in rows] + [rows[k] for k in rows if k not in order]
             path.write_text(json.dumps({"setting": name, "nodes": s.nodes, "ranks_per_node": s.per_node,
                                         "mbit": s.mbit, "accumulation": s.accumulation,
                                         "trainable_blocks": s.trainable_blocks, "memory_budget": s.memory_budget,
-                                        "timed_steps": s.timed_steps, "rows": ordered}, indent=2))
+                                        "timed_steps": s.timed_steps, "rows": ordered, "provenance": stamp()},
+                                       indent=2))
 
 
 if __name__ == "__main__":
