@@ -290,10 +290,16 @@ class UnitRetry:
                 return read()
             except Exception as exc:
                 attempts += 1
-                if attempts <= self.retries:
-                    time.sleep(self.backoff_s * 2 ** (attempts - 1))
-                    continue
-                self.give_up(unit.id, f"{_cause(exc)} (after {attempts} attempts)")
+                self.retry_after(unit.id, exc, attempts)
+
+    def retry_after(self, unit_id: str, exc: BaseException, attempts: int) -> bool:
+        """After a unit's ``attempts``-th failure in a row: waits the backoff and returns True to try again, or gives
+        the unit up and returns False."""
+        if attempts <= self.retries:
+            time.sleep(self.backoff_s * 2 ** (attempts - 1))
+            return True
+        self.give_up(unit_id, f"{_cause(exc)} (after {attempts} attempts)")
+        return False
 
     def give_up(self, unit_id: str, cause: str) -> None:
         with self._lock:
@@ -347,10 +353,8 @@ def read_piece(source: Any, unit: SourceUnit, start: int, stop: int, first_index
         except Exception as exc:  # a poison row must not take the worker down: it is reported instead
             if is_unit_failure(exc):
                 unit_attempts += 1
-                if unit_attempts <= unit_retry.retries:
-                    time.sleep(unit_retry.backoff_s * 2 ** (unit_attempts - 1))
+                if unit_retry.retry_after(unit.id, exc, unit_attempts):
                     continue
-                unit_retry.give_up(unit.id, f"{_cause(exc)} (after {unit_attempts} attempts)")
                 failures += _unit_failures(source, unit, pos, stop, first_index + pos - start,
                                            unit_retry.given_up(unit.id) or _cause(exc), traceback.format_exc(limit=8))
                 break

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.fabric.utilities import move_data_to_device
 
 from lightning_paro.predict.batch import ElasticBatch, RowFailure, StepOutcome, batch_size_of, slice_batch, take
 from lightning_paro.predict.isolation import predict_isolated
@@ -73,21 +74,19 @@ def concat_outputs(parts: list) -> Any:
     raise TypeError(f"cannot join stage outputs of type {type(first).__name__}; return tensors, lists or dicts")
 
 
-def next_stage_batch(batch: ElasticBatch, outcome: StepOutcome, stage: str) -> ElasticBatch:
-    """The rows that passed a stage, with their outputs as the next stage's input."""
+def next_stage_batch(batch: ElasticBatch, outcome: StepOutcome) -> ElasticBatch:
+    """The rows that passed a stage, with their outputs as the next stage's input (and the failures so far)."""
     if len(outcome.chunks) == 1:
         positions = outcome.chunks[0][0]  # one chunk: its positions, a range when every row passed
     else:
         positions = [p for chunk_positions, _ in outcome.chunks for p in chunk_positions]
     data = concat_outputs([prediction for _, prediction in outcome.chunks]) if outcome.chunks else None
-    failures = [f if f.stage != "predict_step" else RowFailure(f.index, f.row_id, stage, f.error, f.traceback)
-                for f in outcome.failures]
     return ElasticBatch(
         data=data,
         ticket=batch.ticket,
         indices=take(batch.indices, positions),
         ids=take(batch.ids, positions) if batch.ids is not None else None,
-        failures=failures,
+        failures=outcome.failures,
     )
 
 
@@ -117,7 +116,7 @@ def _stage_loop(stage: PipelineStage, is_last: bool, row_retries: int, inbox, ou
             seq, batch = unpack(message)
             try:
                 if batch.data is not None and stage.device != "cpu":
-                    batch.data = _to_device(batch.data, stage.device)
+                    batch.data = move_data_to_device(batch.data, stage.device)
                 outcome = predict_isolated(
                     lambda data: call_model(model, data, stage.batch_size, rows_of(data, len(batch.indices))),
                     batch,
@@ -133,23 +132,13 @@ def _stage_loop(stage: PipelineStage, is_last: bool, row_retries: int, inbox, ou
             if is_last:
                 results.put(pack(("done", seq, outcome)))
             else:
-                outbox.put(pack((seq, next_stage_batch(batch, outcome, stage.name))))
+                outbox.put(pack((seq, next_stage_batch(batch, outcome))))
 
 
 def rows_of(data: Any, fallback: int) -> int:
     """Rows in ``data`` (its batch size), or ``fallback`` where it has none."""
     size = batch_size_of(data)
     return size if size is not None else fallback
-
-
-def _to_device(data: Any, device: str) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(device)
-    if isinstance(data, dict):
-        return {k: _to_device(v, device) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to_device(v, device) for v in data)
-    return data
 
 
 class StageDied(RuntimeError):
