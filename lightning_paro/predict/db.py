@@ -5,6 +5,8 @@ Every statement is written once, for both drivers, with PostgreSQL's own numbere
 sends the statement to the server without reading it), and SQLite as named parameters (``$AAAA``, here named
 ``1``, ``2``, ...), so the parameters are passed to SQLite as ``{"1": first, "2": second, ...}``. No statement is
 ever read or rewritten on its way to the database: a ``%``, a ``?`` or a ``$1`` inside a string literal stays text.
+A query builder (SQLAlchemy Core) would reach the same through a dependency and a layer the ledger's few, fixed
+statements do not need.
 """
 
 from __future__ import annotations
