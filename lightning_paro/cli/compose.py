@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -39,9 +40,13 @@ from lightning_paro.cli.schema import (
     BenchConfig,
     Config,
     ConfigError,
+    DDPStrategyConfig,
+    FSDP2StrategyConfig,
+    ParoStrategyConfig,
     PredictConfig,
     RunConfig,
 )
+from lightning_paro.strategy.levels import VALID_STRATEGIES
 
 PACKAGE_CONFIG_MODULE = "lightning_paro.conf"
 """The package holding the config tree (``conf/`` in the repository, mapped into the wheel)."""
@@ -54,6 +59,46 @@ LAUNCH_TIME_ENV = "LIGHTNING_PARO_LAUNCH_TIME"
 SETTINGS_SCHEMAS: dict[str, type] = {"predict": PredictConfig, "bench": BenchConfig, "run": RunConfig}
 """Top-level key -> its dataclass (``strategy`` is chosen by ``strategy.name``, see ``STRATEGY_SCHEMAS``)."""
 TOP_LEVEL_KEYS = ("strategy", *TARGET_GROUPS, "trainer", *SETTINGS_SCHEMAS, "ckpt_path")
+
+
+# ---------------------------------------------------------------------------------------------------- stored nodes
+def register_configs() -> None:
+    """The config nodes whose keys a schema dataclass types, stored in Hydra's ConfigStore from those dataclasses, so
+    that their defaults are written once: ``strategy=paro`` (``PaROStrategy()``'s defaults, from ``PaROOptions``),
+    ``strategy=paro_<xyz>`` for each of the 14 shardings (one rule: the paro node with that sharding),
+    ``strategy=ddp|fsdp2|hsdp``, ``predict=elastic`` and the root's ``bench``, ``run`` and ``ckpt_path``
+    (``settings``, first in config.yaml's defaults list)."""
+    store = ConfigStore.instance()
+    paro = dataclasses.asdict(ParoStrategyConfig())
+    store.store(group="strategy", name="paro", node=paro)
+    for sharding in VALID_STRATEGIES:
+        store.store(group="strategy", name=f"paro_{sharding.lower()}", node={**paro, "sharding": sharding})
+    store.store(group="strategy", name="ddp", node=dataclasses.asdict(DDPStrategyConfig()))
+    store.store(group="strategy", name="fsdp2", node=dataclasses.asdict(FSDP2StrategyConfig()))
+    store.store(group="strategy", name="hsdp", node=dataclasses.asdict(FSDP2StrategyConfig(name="hsdp")))
+    store.store(group="predict", name="elastic", node=dataclasses.asdict(PredictConfig()))
+    settings = {key: dataclasses.asdict(schema()) for key, schema in SETTINGS_SCHEMAS.items() if key != "predict"}
+    store.store(name="settings", node={**settings, "ckpt_path": Config.__dataclass_fields__["ckpt_path"].default})
+
+
+register_configs()
+
+
+def group_options(config_dirs: Sequence[Path] = ()) -> dict[str, list[str]]:
+    """Each config group's options: the package's files, the stored nodes and the user's directories' files."""
+    options: dict[str, set[str]] = {}
+    for directory in [package_config_dir(), *user_config_dirs(config_dirs)]:
+        for group in (p for p in directory.iterdir() if p.is_dir()):
+            options.setdefault(group.name, set()).update(p.stem for p in group.glob("*.yaml"))
+    for group, names in _stored_options().items():
+        options.setdefault(group, set()).update(names)
+    return {group: sorted(names) for group, names in sorted(options.items()) if names}
+
+
+def _stored_options() -> dict[str, list[str]]:
+    store = ConfigStore.instance()
+    groups = [name for name in store.list("") if not name.endswith(".yaml") and name != "hydra"]
+    return {group: [name.removesuffix(".yaml") for name in store.list(group)] for group in groups}
 
 
 
@@ -134,7 +179,7 @@ def _check_shadowing(entries: Sequence[str]) -> None:
             )
         for path in sorted(directory.glob("*/*.yaml")):
             twin = package / path.parent.name / path.name
-            if twin.is_file():
+            if twin.is_file() or path.stem in _stored_options().get(path.parent.name, ()):
                 raise ConfigError(
                     "--config-dir",
                     f"{path} has the name of the package's {path.parent.name}={path.stem}, which takes precedence;"

@@ -1,17 +1,40 @@
-"""``lightning-paro fit|predict|bench [KEY=VALUE ...] [-m] [--cfg] [--config-dir DIR]`` (or
-``python -m lightning_paro ...``)."""
+"""``lightning-paro fit|predict|bench [KEY=VALUE ...] [-m] [--cfg job] [--config-dir DIR]`` (or
+``python -m lightning_paro ...``).
+
+The command line is read by Hydra's own argument parser (``get_args_parser``, the one ``@hydra.main`` uses), so its
+flags mean what they mean in any Hydra app; the first word that is no override picks the command. The config is then
+composed with Hydra's compose API (``compose.py``) and each sweep job started as its own process (``sweep.py``)
+rather than through ``@hydra.main``, for three reasons measured on hydra-core 1.3.8 and Lightning 2.6:
+
+- multirun: under ``@hydra.main -m +x=1,2`` with a 2-process CPU DDP Trainer, Lightning's launcher
+  (``_hydra_subprocess_cmd``) started rank 1 with the whole sweep's command line (``-m +x=1,2`` plus a
+  ``hydra.run.dir`` that multirun ignores); that one rank-1 process then ran job 0 and job 1 in turn, joined to the
+  process group of job 0 (same process id, no second launch). It only worked because both jobs had the same world
+  size; a sweep over ``trainer.devices`` or start methods would hang. ``sweep.py`` starts each job as its own
+  command line, whose ranks re-run just that job;
+- ``--cfg job`` under ``@hydra.main`` prints the raw composed config: a ``predict.ledger`` password would be printed,
+  which ``commands.config_yaml`` masks;
+- a composition error under ``@hydra.main`` is Hydra's several lines and exit code 1; here every config error is one
+  line naming the key and its fix, exit code 2.
+
+What stays hand-written is what Hydra does not do: the command word, the checks of the composed config (``checks.py``,
+``targets.py``), the help's list of groups, and starting a process per sweep job.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hydra._internal.utils import get_args_parser
+
 from lightning_paro.cli.checks import check_launch_environment
-from lightning_paro.cli.compose import LAUNCH_TIME_ENV, load_config, package_config_dir, user_config_dirs
+from lightning_paro.cli.compose import LAUNCH_TIME_ENV, group_options, load_config, package_config_dir, user_config_dirs
 from lightning_paro.cli.schema import ConfigError
 
 PROG = "lightning-paro"
@@ -20,7 +43,11 @@ COMMAND_HELP = {
     "predict": "run the data's predict dataloader through that checkpoint with elastic batch prediction, to Parquet",
     "bench": "samples (tokens) per second of a few training steps with the configured strategy",
 }
-USAGE = f"usage: {PROG} {{{','.join(COMMAND_HELP)}}} [KEY=VALUE ...] [-m|--multirun] [--cfg] [--config-dir DIR]"
+USAGE = f"usage: {PROG} {{{','.join(COMMAND_HELP)}}} [KEY=VALUE ...] [-m|--multirun] [--cfg job] [--config-dir DIR]"
+UNSUPPORTED = {"hydra_help": "--hydra-help", "package": "--package", "run": "--run", "config_path": "--config-path",
+               "config_name": "--config-name", "experimental_rerun": "--experimental-rerun", "info": "--info",
+               "shell_completion": "--shell-completion"}
+"""Flags of Hydra's parser that act on ``@hydra.main``'s run, which this command line does not use (see above)."""
 
 
 @dataclass(frozen=True)
@@ -34,66 +61,54 @@ class Invocation:
     multirun: bool = False
     """-m/--multirun: run one job per combination of the comma-separated values."""
     print_config: bool = False
-    """--cfg: print the composed config and exit."""
+    """--cfg job (or all): print the composed config and exit."""
     config_dirs: tuple[Path, ...] = ()
-    """--config-dir (repeatable): directories of the user's configs, added to the search path after the package's."""
+    """--config-dir: a directory of the user's configs, added to the search path after the package's."""
     help: bool = False
     """-h/--help."""
 
 
+def _refuse(message: str) -> None:
+    named = re.match(r"argument ([-\w]+)|unrecognized arguments: (\S+)", message)
+    raise ConfigError(next((g for g in named.groups() if g), "") if named else "", f"{message}; {USAGE}")
+
+
 def parse_args(argv: Sequence[str]) -> Invocation:
-    """Split the command line; anything that is not a flag is a Hydra override."""
-    command, overrides, flags = None, [], {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg in ("-h", "--help"):
-            flags["help"] = True
-        elif arg in ("-m", "--multirun"):
-            flags["multirun"] = True
-        elif arg in ("--cfg", "-c"):
-            flags["print_config"] = True
-            if i + 1 < len(args) and args[i + 1] == "job":  # Hydra's spelling, `--cfg job`, is accepted too
-                i += 1
-        elif arg == "--config-dir" or arg.startswith("--config-dir="):
-            if "=" in arg:
-                value = arg.split("=", 1)[1]
-            elif i + 1 < len(args):
-                i += 1
-                value = args[i]
-            else:
-                raise ConfigError("--config-dir", "needs a directory")
-            flags["config_dirs"] = (*flags.get("config_dirs", ()), Path(value).expanduser().resolve())
-        elif arg.startswith("-"):
-            raise ConfigError(arg, f"unknown option; {USAGE}")
-        elif command is None and "=" not in arg:
-            if arg not in COMMAND_HELP:
-                raise ConfigError("command", f"{arg!r} is not a command; use one of {', '.join(COMMAND_HELP)}")
-            command = arg
-        else:
-            overrides.append(arg)
-        i += 1
-    if command is None and not flags.get("help"):
+    """Hydra's argument parser over the command line; the first word that is no override is the command."""
+    parser = get_args_parser()
+    parser.prog, parser.error = PROG, _refuse  # one line naming the flag instead of argparse's usage and exit
+    args = parser.parse_intermixed_args(list(argv))
+    if sum(a in ("--config-dir", "-cd") or a.startswith(("--config-dir=", "-cd=")) for a in argv) > 1:
+        raise ConfigError("--config-dir", "give it once (Hydra's parser keeps the last); add more directories with"
+                                          " hydra.searchpath=[file://A,file://B] or LIGHTNING_PARO_CONFIG_DIR")
+    given = [flag for attr, flag in UNSUPPORTED.items() if getattr(args, attr)]
+    if given or args.cfg == "hydra" or args.resolve:
+        flag = given[0] if given else "--cfg" if args.cfg == "hydra" else "--resolve"
+        raise ConfigError(flag, "Hydra's own run settings do not apply to this command line (outputs go to run.dir,"
+                                f" the config printed by --cfg job is resolved); {USAGE}")
+    overrides = list(args.overrides)
+    words = [o for o in overrides if "=" not in o and not o.startswith(("~", "+"))]
+    command = words[0] if words else None
+    if command is not None:
+        overrides.remove(command)
+        if command not in COMMAND_HELP:
+            raise ConfigError("command", f"{command!r} is not a command; use one of {', '.join(COMMAND_HELP)}")
+    elif not args.help:
         raise ConfigError("command", f"missing; use one of {', '.join(COMMAND_HELP)} ({USAGE})")
-    return Invocation(command, tuple(overrides), **flags)
+    config_dirs = (Path(args.config_dir).expanduser().resolve(),) if args.config_dir else ()
+    return Invocation(command, tuple(overrides), multirun=args.multirun, print_config=args.cfg is not None,
+                      config_dirs=config_dirs, help=args.help)
 
 
 def help_text(config_dirs: Sequence[Path] = ()) -> str:
     lines = [USAGE, "", "commands:"]
     lines += [f"  {name:8s} {text}" for name, text in COMMAND_HELP.items()]
     try:
-        directories = [package_config_dir(), *user_config_dirs(config_dirs)]
+        directories, options = [package_config_dir(), *user_config_dirs(config_dirs)], group_options(config_dirs)
     except ConfigError:
-        directories = [package_config_dir()]
-    options: dict[str, set[str]] = {}
-    for directory in directories:
-        for group in (p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
-            found = {p.stem for p in group.glob("*.yaml")}
-            if found:
-                options.setdefault(group.name, set()).update(found)
-    lines += ["", "config groups (" + ", ".join(str(d) for d in directories) + "):"]
-    lines += [f"  {group + '=':12s} {', '.join(sorted(names))}" for group, names in sorted(options.items())]
+        directories, options = [package_config_dir()], group_options()
+    lines += ["", "config groups (" + ", ".join(str(d) for d in directories) + ", and schema.py's dataclasses):"]
+    lines += [f"  {group + '=':12s} {', '.join(names)}" for group, names in options.items()]
     lines += [
         "",
         "examples:",
@@ -103,7 +118,7 @@ def help_text(config_dirs: Sequence[Path] = ()) -> str:
         f"  {PROG} bench -m strategy=paro_nig,paro_ggg,ddp,fsdp2 trainer=cpu4",
         f"  {PROG} fit --cfg job               # print the composed config",
         "strategy=paro is PaROStrategy() with its defaults (sharding=auto); strategy=paro_iig pins IIG",
-        "every key: docs/config.md",
+        "flags are Hydra's (-m, --cfg job, --config-dir); every key: docs/config.md",
     ]
     return "\n".join(lines)
 

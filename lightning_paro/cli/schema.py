@@ -66,61 +66,83 @@ class ParoStrategyConfig:
     """
 
     name: str = "paro"
-    """Which strategy schema this node uses (set by the config file; selects the strategy class)."""
+    """Which strategy schema the node uses; set by the config file."""
     sharding: str = LIBRARY.sharding
-    """PaROOptions.sharding: auto (measure the links, take the fastest that fits) or one of the 14."""
+    """Three letters N/I/G for parameters, gradients, optimizer states (one of the 14 valid strategies), or `auto`:
+    probe the links at start-up and take the fastest strategy that fits (docs/auto.md). `strategy=paro_iig` (and the
+    other 13) pins one."""
     group_size: Optional[int] = LIBRARY.group_size
-    """PaROOptions.group_size; must also divide trainer.devices * trainer.num_nodes."""
+    """Ranks per group (m); must divide `trainer.devices * trainer.num_nodes`; null: processes per node."""
     units: Any = LIBRARY.units
-    """PaROOptions.units: "auto" or a list of dotted module class names."""
+    """Blocks gathered and freed together: `auto` (the repeated blocks) or a list of dotted class names."""
     prefetch: int = LIBRARY.prefetch
-    """PaROOptions.prefetch."""
+    """Units gathered ahead of the one computing (0: none)."""
     chunk_bytes: Optional[int] = LIBRARY.chunk_bytes
-    """PaROOptions.chunk_bytes."""
+    """Pipeline chunk of the HO-Ring collectives between groups, in bytes (null: 2 MiB; with `sharding: auto`, the chunk
+    the cost model predicts fastest for the probed links, 2-64 MiB)."""
     memory_budget: float = AUTO.memory_budget
-    """AutoConfig.memory_budget: share of a rank's memory (at most 1) or bytes (above 1) the strategy may use."""
+    """`sharding=auto`: share of a rank's memory (at most 1) or bytes (above 1) the chosen strategy may use."""
     micro_step_seconds: Optional[float] = AUTO.micro_step_seconds
-    """AutoConfig.micro_step_seconds: compute time of one micro-step, if known."""
+    """`sharding=auto`: compute time of one micro-step if known, so the plan counts what hides behind it (otherwise it
+    is measured on the first steps and used by the re-plan)."""
     replan_after_steps: int = AUTO.replan_after_steps
-    """AutoConfig.replan_after_steps: plan again with measured figures after this many optimizer steps (0: never)."""
+    """`sharding=auto`: after this many optimizer steps, plan again with the measured compute time and activation memory
+    and switch strategy in place if worth it (0: plan once; see [auto.md](auto.md#re-planning-in-place))."""
     replan_margin: float = AUTO.replan_margin
-    """AutoConfig.replan_margin: the predicted gain a switch needs (0.1: 10%)."""
+    """`sharding=auto`: the predicted gain a switch needs (0.1: 10% faster), unless the strategy in use no longer
+    fits."""
     trial_margin: float = AUTO.trial_margin
-    """AutoConfig.trial_margin: try a strategy predicted at most this much slower, differing in gradient level only."""
+    """`sharding=auto`: when the re-plan keeps the strategy in use, try the fastest one predicted at most this much
+    slower that differs in the gradient level only (NNG and NGG, say) for `replan_after_steps` steps and keep the faster
+    measured, when the fit goes on at least as many steps after the trial (0: no trial; see
+    [auto.md](auto.md#re-planning-in-place))."""
     first_plan: Optional[str] = AUTO.first_plan
-    """AutoConfig.first_plan: start with this strategy instead of the start-up plan's choice."""
+    """`sharding=auto`: start with this strategy instead of the start-up plan's choice (the re-plan then judges it)."""
     link_cache: bool = AUTO.link_cache
-    """AutoConfig.link_cache: reuse links an earlier job measured on the same hosts once re-timed gathers confirm them."""
+    """`sharding=auto`: reuse the links an earlier job measured on the same hosts and groups (and the optimizer update's
+    bandwidth) once the probe's large all-gather per link class, timed again, confirms them (within 2x); false: measure
+    every time ([auto.md](auto.md#the-link-cache))."""
     strategies: Optional[list] = None
-    """AutoConfig.strategies: the strategies to choose among (a list such as [NNG, IIG]); null: all 14."""
+    """`sharding=auto`: the strategies to choose among, e.g. `[NNG,IIG,GGG]`; null: all 14."""
     intra_gbps: Optional[float] = None
-    """AutoConfig.intra's bandwidth per rank in Gbit/s; null: measured at start-up (give both or neither)."""
+    """`sharding=auto`: intra-group bandwidth per rank (Gbit/s); with `inter_gbps` it replaces the start-up probe."""
     inter_gbps: Optional[float] = None
-    """AutoConfig.inter's bandwidth per rank in Gbit/s; null: measured at start-up (give both or neither)."""
+    """`sharding=auto`: inter-group bandwidth per rank (Gbit/s)."""
     intra_overlap: float = Link(1.0).overlap
-    """With given bandwidths: the intra-group Link's overlap, the share of a transfer hidden behind compute."""
+    """`sharding=auto` with given bandwidths: share of a transfer's time that hides behind compute (1: NVLink, NICs; 0:
+    transfers that take the CPU cores the compute runs on); the probe measures them otherwise."""
     inter_overlap: float = Link(1.0).overlap
-    """With given bandwidths: the inter-group Link's overlap."""
+    """`sharding=auto` with given bandwidths: `intra_overlap` for the link between groups."""
     log_traffic: bool = LIBRARY.log_traffic
-    """PaROOptions.log_traffic."""
+    """Log `paro/intra_bytes` and `paro/inter_bytes` per optimizer step."""
     state_dict_type: str = LIBRARY.state_dict_type
-    """PaROOptions.state_dict_type: sharded (a directory of shards) or full (one file)."""
+    """Checkpoints (`weights.ckpt`, `ModelCheckpoint`'s) as a directory of per-rank shards (`sharded`: any world size,
+    group size or strategy resumes it) or one file (`full`: `torch.load` and `LightningModule.load_from_checkpoint` open
+    it in one process). `predict` and `ckpt_path` read both; `lightning_paro.load_from_checkpoint(MyModule, path)` or
+    `python -m lightning_paro.convert DIR FILE` read a sharded one where a file is expected."""
     gather: str = LIBRARY.gather
-    """PaROOptions.gather: auto, full or sharded."""
+    """`validate`, `test`, `predict` and the module after `fit`: `full` gathers the whole model, `sharded` one unit at a
+    time (the module stays sharded after fit; read it through a checkpoint), `auto` full when the whole model fits half
+    the free memory (as `PaROStrategy(gather=...)`)."""
     start_method: str = LIBRARY.start_method
-    """PaROOptions.start_method."""
+    """`popen` (Lightning's subprocess launcher), `spawn`, `fork` or `forkserver`."""
     process_group_backend: Optional[str] = LIBRARY.process_group_backend
-    """PaROOptions.process_group_backend: gloo, nccl or null."""
+    """`gloo` or `nccl`; null: the device's default."""
     timeout_s: float = LIBRARY.timeout.total_seconds()
-    """PaROOptions.timeout, in seconds."""
+    """Collective timeout in seconds."""
     param_dtype: Optional[str] = LIBRARY.param_dtype
-    """PaROOptions.param_dtype: bf16, fp32 or null (the parameters' own dtype)."""
+    """`bf16`: gather parameters in bf16 during training (every all-gather before a unit's use, and the sync after the
+    optimizer step), half their bytes; every rank computes with the same bf16-rounded copy and the optimizer shard stays
+    the fp32 master. `fp32` or null: exact ([Communication dtypes](#communication-dtypes))."""
     reduce_dtype: Optional[str] = LIBRARY.reduce_dtype
-    """PaROOptions.reduce_dtype: bf16, fp32 or null (the gradients' own dtype)."""
+    """`bf16`: reduce gradients in bf16 (every reduce-scatter and all-reduce sends and sums in bf16; the accumulators
+    stay fp32), half their bytes. `fp32` or null: exact."""
     inter_quant: Optional[str] = LIBRARY.inter_quant
-    """PaROOptions.inter_quant: int8 or null."""
+    """`int8`: every hop between groups goes block-quantized, about a quarter of fp32's bytes there; everything inside
+    groups as before ([Quantized traffic between groups](#quantized-traffic-between-groups)). null: none."""
     error_feedback: bool = LIBRARY.error_feedback
-    """PaROOptions.error_feedback (with inter_quant)."""
+    """With `inter_quant`: each rank carries what quantizing its gradients left out into its next reduction, so rounding
+    errors cancel over steps (an fp32 buffer of 1/m of the trainable parameters per rank; in sharded checkpoints)."""
 
     def to_options(self) -> PaROOptions:
         """The library's options for this node, checked there; a value they refuse is a ConfigError naming its key
@@ -206,13 +228,13 @@ class DDPStrategyConfig:
     """Lightning's ``DDPStrategy``: the unsharded baseline (PaRO's NNN with Lightning's own engine)."""
 
     name: str = "ddp"
-    """Which strategy schema this node uses (set by the config file; selects the strategy class)."""
+    """Set by the config file."""
     start_method: str = "popen"
-    """How the processes start: popen (Lightning's subprocess launcher), spawn, fork or forkserver."""
+    """`popen`, `spawn`, `fork` or `forkserver`."""
     find_unused_parameters: bool = False
-    """Let DDP tolerate parameters that get no gradient (costs a graph traversal per step)."""
+    """Let DDP tolerate parameters without gradients."""
     process_group_backend: Optional[str] = None
-    """gloo or nccl; null: the device's default."""
+    """`gloo` or `nccl`."""
     timeout_s: float = 1800.0
     """Collective timeout in seconds."""
 
@@ -226,13 +248,13 @@ class FSDP2StrategyConfig:
     """
 
     name: str = "fsdp2"
-    """fsdp2 (full shard over all ranks) or hsdp (shard in groups, replicate across them); set by the config file."""
+    """Set by the config file."""
     group_size: Optional[int] = None
-    """hsdp only: ranks per shard group; must divide the world size. null: the processes per node."""
+    """`hsdp` only: ranks per shard group; must divide the world size; null: processes per node."""
     reshard_after_forward: bool = True
-    """Free gathered parameters after each block's forward (gather again in backward)."""
+    """Free gathered parameters after each block's forward."""
     process_group_backend: Optional[str] = None
-    """gloo or nccl; null: the device's default."""
+    """`gloo` or `nccl`."""
     timeout_s: float = 1800.0
     """Collective timeout in seconds."""
 
@@ -267,30 +289,52 @@ class PredictConfig:
     it, gives its default and checks it."""
 
     checkpoint: Optional[str] = None
-    """Checkpoint whose weights (its state_dict) are loaded into the model; null: weights.ckpt in run.dir, what fit
-    writes. A file or a sharded checkpoint directory."""
+    """Checkpoint whose `state_dict` is loaded into the model; null: `<run.dir>/weights.ckpt` (a sharded checkpoint
+    directory works too)."""
     output_dir: Optional[str] = None
-    """Where the predictions go; null: predictions/ in run.dir."""
+    """Where the predictions go; null: `<run.dir>/predictions`."""
     format: str = ELASTIC["format"]
+    """`parquet` or `jsonl`."""
     shard_size: Optional[int] = ELASTIC["shard_size"]
+    """Rows per shard of the elastic job (leasing and commit unit); null: 16 batches."""
     index_column: str = ELASTIC["index_column"]
+    """Column holding each row's dataset index."""
     id_column: Optional[str] = ELASTIC["id_column"]
+    """Key of a per-sample id in dict samples to copy into the output."""
     ledger: Optional[str] = ELASTIC["ledger"]
+    """Shard ledger: SQLite path or `postgresql://` URL; null: `_ledger.sqlite` in the output directory."""
     job_name: Optional[str] = ELASTIC["job_name"]
+    """Name of the job in the ledger; null: the output directory's absolute path."""
     lease_ttl_s: float = ELASTIC["lease_ttl_s"]
+    """Seconds a worker's lease lives without a heartbeat."""
     heartbeat_interval_s: Optional[float] = ELASTIC["heartbeat_interval_s"]
+    """Seconds between lease renewals; null: a quarter of `lease_ttl_s`."""
     stall_timeout_s: float = ELASTIC["stall_timeout_s"]
+    """Stop renewing leases when no batch finished for this long."""
     max_attempts: int = ELASTIC["max_attempts"]
+    """Leases of one shard that may end without a commit before it is split."""
     speculate_after_s: Optional[float] = ELASTIC["speculate_after_s"]
+    """An idle worker duplicates a shard leased longer ago than this; null: never."""
     poll_interval_s: float = ELASTIC["poll_interval_s"]
+    """Seconds an idle worker waits between asking for work."""
     fetch_threads: Optional[int] = ELASTIC["fetch_threads"]
+    """Rows of a batch read concurrently per DataLoader worker; null: each worker chooses as it reads (more threads
+    while they read faster)."""
     row_retries: int = ELASTIC["row_retries"]
+    """Retries of a failing row or batch before it is bisected and reported."""
     unit_retries: int = ELASTIC["unit_retries"]
+    """Retries of a source unit (file, row group, object) that cannot be opened or read, before its rows fail
+    together."""
     unit_retry_backoff_s: float = ELASTIC["unit_retry_backoff_s"]
+    """Seconds before a unit's first retry; each next one waits twice as long."""
     max_failed_rows: int = ELASTIC["max_failed_rows"]
+    """Rows that may fail (isolated and reported) before the job fails."""
     writer_queue_size: int = ELASTIC["writer_queue_size"]
+    """Batches that may wait for the background writer."""
     progress_interval_s: float = ELASTIC["progress_interval_s"]
+    """Seconds between reads of the job's global progress."""
     worker_name: Optional[str] = ELASTIC["worker_name"]
+    """This worker's name in the ledger; null: host, process id, random suffix."""
 
     def elastic_options(self) -> dict[str, Any]:
         """The keyword arguments of ElasticPredict besides the output directory."""
@@ -303,14 +347,15 @@ class BenchConfig:
     """The bench command: throughput of a few training steps with the configured strategy."""
 
     warmup_steps: int = 2
-    """Optimizer steps run before timing starts."""
+    """Optimizer steps before timing starts."""
     steps: int = 5
     """Optimizer steps timed."""
     memory: bool = False
-    """Measure peak memory faithfully on the CPU: fix glibc's mmap threshold, so freed tensors leave the resident
-    set (every large allocation is then mapped afresh, which costs time: leave it off to compare throughput)."""
+    """Fix glibc's mmap threshold so that the CPU peak memory follows the tensors alive (every large allocation is then
+    mapped afresh, which costs time: leave it off to compare throughput)."""
     eval_batches: int = 0
-    """After training, validate on this many batches and report that stage's peak memory (0: no evaluation)."""
+    """After training, `validate` on the same Trainer for that many batches and report that stage's peak memory (needs
+    validation data)."""
 
 
 @dataclass(frozen=True)
@@ -318,11 +363,11 @@ class RunConfig:
     """Where a run writes and how it is seeded."""
 
     name: str = "default"
-    """Name of the run; the default output directory is runs/<name>."""
+    """Name of the run."""
     dir: str = "runs/${run.name}"
-    """Output directory (made absolute against the working directory, so every rank agrees on it)."""
+    """Output directory, made absolute against the working directory."""
     seed: int = 0
-    """Seed of model initialisation and data order."""
+    """Seed of the model's initialisation and the data order."""
 
 
 @dataclass(frozen=True)

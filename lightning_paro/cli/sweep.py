@@ -1,14 +1,15 @@
-"""Multirun sweeps (``-m key=a,b``): every job is a fresh ``python -m lightning_paro`` process without ``-m``.
+"""Multirun sweeps (``-m key=a,b``): Hydra's basic sweeper expands the jobs; each job is a fresh
+``python -m lightning_paro`` process without ``-m``.
 
-Why not Hydra's in-process sweeper: Lightning's subprocess launcher starts a job's other ranks by re-running the
-command line, so a rank started from a ``-m`` command line would run the whole sweep itself; and one process cannot
-cleanly run several distributed jobs in a row. A job started as its own command line has neither problem, and its
-ranks re-run exactly that job.
+Why a process per job rather than Hydra's in-process launcher (measured, see ``main.py``'s docstring): Lightning's
+subprocess launcher starts a job's other ranks by re-running the command line, so under ``@hydra.main -m`` rank 1
+got the whole sweep's command line and ran every job in one process, joined to the first job's process group; a
+sweep whose jobs differ in world size or start method cannot work that way. A job started as its own command line
+has neither problem, and its ranks re-run exactly that job.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import sys
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import OverrideParseException
+from hydra.errors import HydraException, OverrideParseException
 
 from lightning_paro.cli.compose import load_config
 from lightning_paro.cli.schema import ConfigError
@@ -38,26 +40,15 @@ class SweepJob:
 
 
 def expand_sweep(overrides: Sequence[str]) -> list[tuple[list[str], list[str]]]:
-    """The cartesian product of the sweep overrides: per job, (all its overrides, the swept ones)."""
+    """Hydra's basic sweeper's jobs (the cartesian product of the sweep overrides): per job, (all its overrides, the
+    swept ones)."""
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except OverrideParseException as exc:
-        raise ConfigError("", f"cannot parse the override: {str(exc).strip().splitlines()[0]}") from None
-    axes: list[list[tuple[str, bool]]] = []
-    for override in parsed:
-        if override.is_sweep_override():
-            key = override.get_key_element()
-            try:
-                values = list(override.sweep_string_iterator())
-            except Exception as exc:  # e.g. glob() sweeps, which need the group's options
-                raise ConfigError(key, f"cannot expand this sweep: {exc}") from None
-            axes.append([(f"{key}={value}", True) for value in values])
-        else:
-            axes.append([(override.input_line, False)])
-    jobs = []
-    for combo in itertools.product(*axes):
-        jobs.append(([text for text, _ in combo], [text for text, swept in combo if swept]))
-    return jobs
+        jobs = BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+    except (OverrideParseException, HydraException) as exc:
+        raise ConfigError("", f"cannot expand the sweep: {str(exc).strip().splitlines()[0]}") from None
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    return [(job, [o for o in job if o.split("=", 1)[0] in swept]) for job in jobs]
 
 
 def plan_sweep(overrides: Sequence[str], config_dirs: Sequence[Path] = ()) -> list[SweepJob]:

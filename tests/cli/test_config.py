@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_paro import PaROStrategy, VALID_STRATEGIES
 from lightning_paro.cli import schema
 from lightning_paro.cli.build import FSDP2Strategy, build_data, build_model, build_strategy, build_trainer
-from lightning_paro.cli.compose import SETTINGS_SCHEMAS, load_config, package_config_dir
+from lightning_paro.cli.compose import SETTINGS_SCHEMAS, group_options, load_config, package_config_dir
 from lightning_paro.cli.main import main, parse_args
 from lightning_paro.cli.schema import ConfigError
 from lightning_paro.demo.model import Block
@@ -24,7 +24,7 @@ from lightning_paro.strategy.transitions import CommDtypes
 
 CONF = package_config_dir()
 REPO = Path(__file__).resolve().parents[2]
-STRATEGY_CONFIGS = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+STRATEGY_CONFIGS = group_options()["strategy"]
 FOUR_CPUS = ["trainer.accelerator=cpu", "trainer.devices=4"]
 
 
@@ -99,13 +99,16 @@ def test_the_trainer_gets_the_trainer_group_and_the_strategy():
 
 
 def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return group_options()[group]
 
 
 def test_the_config_tree_is_the_package_s_and_the_repository_s_conf():
     assert CONF == REPO / "conf"
+    # strategy and predict are stored from their dataclasses (no files)
     assert {p.name for p in CONF.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
-        "strategy", "model", "data", "trainer", "callbacks", "logger", "predict", "experiment"}
+        "model", "data", "trainer", "callbacks", "logger", "experiment"}
+    assert set(group_options()) == {"strategy", "model", "data", "trainer", "callbacks", "logger", "predict",
+                                    "experiment"}
 
 
 @pytest.mark.parametrize("option", _options("model"))
@@ -248,7 +251,9 @@ def test_a_bad_value_is_one_line_naming_the_key(overrides, key, hint, capsys):
 
 
 @pytest.mark.parametrize("argv,key", [(["train"], "command"), ([], "command"), (["fit", "--bogus"], "--bogus"),
-                                      (["fit", "--config-dir"], "--config-dir")])
+                                      (["fit", "--config-dir"], "--config-dir"), (["fit", "--cfg"], "--cfg"),
+                                      (["fit", "--cfg", "hydra"], "--cfg"), (["fit", "--info"], "--info"),
+                                      (["fit", "-cd", "a", "--config-dir=b"], "--config-dir")])
 def test_a_bad_command_line_is_one_line(argv, key, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -357,16 +362,20 @@ def test_a_ledger_password_is_never_printed_or_saved(capsys):
     from lightning_paro.cli.commands import config_yaml
 
     url = "postgresql://user:s3cret@db.example/jobs"
-    assert main(["predict", "--cfg", f"predict.ledger='{url}'"]) == 0
+    assert main(["predict", "--cfg", "job", f"predict.ledger='{url}'"]) == 0
     printed = capsys.readouterr().out
     assert "s3cret" not in printed and "postgresql://user:***@db.example/jobs" in printed
     assert "s3cret" not in config_yaml(load_config([f"predict.ledger='{url}'"]))
 
 
 def test_parse_args_keeps_overrides_in_order_and_flags_anywhere():
+    # Hydra's own parser: its long and short flags, the command as the first word that is no override
     inv = parse_args(["-m", "bench", "strategy=paro", "--config-dir=/x", "strategy.sharding=NIG,GGG"])
     assert inv.command == "bench" and inv.multirun and inv.config_dirs == (Path("/x"),)
     assert inv.overrides == ("strategy=paro", "strategy.sharding=NIG,GGG")
+    inv = parse_args(["~data", "-cd", "/y", "fit", "-c", "job", "+trainer.x=1"])
+    assert inv.command == "fit" and inv.print_config and inv.config_dirs == (Path("/y"),)
+    assert inv.overrides == ("~data", "+trainer.x=1") and not inv.multirun
 
 
 def test_the_config_reference_documents_every_key():
@@ -467,14 +476,30 @@ def test_trainable_blocks_freezes_all_but_the_last_blocks_and_the_final_norm():
     assert all(p.requires_grad for p in everything.parameters())
 
 
-@pytest.mark.parametrize("name", ["strategy/paro", "strategy/ddp", "strategy/fsdp2", "predict/elastic"])
-def test_the_base_yaml_states_the_schema_defaults(name):
-    # the base config files repeat their schema's defaults so that a user reads them in one place; this keeps the
-    # two from drifting apart (the schemas take their values from PaROOptions and ElasticPredictConfig, the library's
-    # homes for them)
+def test_no_config_file_writes_a_default_of_a_typed_node():
+    # the typed nodes' defaults have one home, their dataclasses: the stored options are those dataclasses, and no
+    # file of the package's tree sets a key of them (an experiment sets a run's choices, which are no defaults)
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(OmegaConf.load(package_config_dir() / f"{name}.yaml"))
-    group, base = name.split("/")
-    cls = schema.STRATEGY_SCHEMAS[base] if group == "strategy" else SETTINGS_SCHEMAS[group]
-    assert node == dataclasses.asdict(cls())
+    typed = {"strategy", "predict", *SETTINGS_SCHEMAS, "ckpt_path"}
+    for path in sorted(CONF.rglob("*.yaml")):
+        if path.parent.name != "experiment":
+            node = OmegaConf.to_container(OmegaConf.load(path))
+            assert not typed & set(node or {}), f"{path.relative_to(CONF)} sets {typed & set(node)}"
+    assert load_config([]).strategy == schema.ParoStrategyConfig()
+    assert load_config(["strategy=ddp"]).strategy == schema.DDPStrategyConfig()
+    assert load_config(["strategy=hsdp"]).strategy == schema.FSDP2StrategyConfig(name="hsdp")
+    defaults = load_config([])
+    assert (defaults.predict, defaults.bench, defaults.ckpt_path) == (schema.PredictConfig(), schema.BenchConfig(), None)
+    assert defaults.run == dataclasses.replace(schema.RunConfig(), dir=str(Path.cwd() / "runs" / "default"))
+    assert {name for name in STRATEGY_CONFIGS if name.startswith("paro_")} == {
+        f"paro_{s.lower()}" for s in VALID_STRATEGIES}
+
+
+def test_the_config_reference_tables_are_generated_from_the_dataclasses():
+    from lightning_paro.cli.reference import TABLES, render, table
+
+    doc = (REPO / "docs" / "config.md").read_text()
+    assert all(f"<!-- keys: {name} -->" in doc for name in TABLES)
+    assert "| `strategy.prefetch` | `1` | Units gathered ahead" in table("strategy/paro")
+    assert render(doc) == doc, "docs/config.md's tables differ: python -m lightning_paro.cli.reference docs/config.md"

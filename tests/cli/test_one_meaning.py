@@ -110,7 +110,7 @@ def test_an_experiment_that_sets_a_paro_key_sweeps_against_ddp(tmp_path, capsys)
     assert fsdp2.strategy.group_size is None and fsdp2.left_out == ("strategy.group_size=2",)
     assert load_config(["experiment=demo", "strategy=hsdp"]).strategy.group_size == 2
     # the job says what it left out, once
-    assert main(["bench", "--cfg", "experiment=demo", "strategy=ddp"]) == 0
+    assert main(["bench", "--cfg", "job", "experiment=demo", "strategy=ddp"]) == 0
     out = capsys.readouterr().out
     assert out.count("note: strategy=ddp has no strategy.group_size=2") == 1 and "group_size" not in out.split(
         "left out", 1)[1]
