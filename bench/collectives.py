@@ -281,6 +281,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in [] if args.summarise else args.scenario or list(SCENARIOS):
         res = run_scenario(SCENARIOS[name], args)
+        sys.path.insert(0, str(ROOT / "bench"))
+        from provenance import stamp
+
+        res["provenance"] = stamp()
         (args.out / f"{name}{args.tag}.json").write_text(json.dumps(res, indent=1))
         print(table([res]), flush=True)
     results = sorted((json.loads(p.read_text()) for p in args.out.glob("*.json")),

@@ -157,7 +157,12 @@ def main() -> None:
     args = ap.parse_args()
     print(paper_scale_markdown())
     if args.json:
-        Path(args.json).write_text(json.dumps(paper_scale_rows(), indent=1) + "\n")
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from provenance import stamp
+
+        Path(args.json).write_text(json.dumps({"rows": paper_scale_rows(), "provenance": stamp()}, indent=1) + "\n")
     if args.plot:
         plot_paper_scale(args.plot)
 

@@ -161,6 +161,53 @@ def nic_tx_bytes(interface: Optional[str]) -> Optional[int]:
     return None
 
 
+def resident_bytes() -> int:
+    """This process's resident set now (``/proc/self/statm``)."""
+    import resource
+
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * resource.getpagesize()
+
+
+EXCEEDED = "memory_limit_exceeded"
+"""Name stem of the file a rank writes to run.dir when it crosses ``--memory-limit`` (every rank then stops)."""
+EXCEEDED_EXIT = 75
+
+
+def enforce_memory_limit(limit: int, run_dir: Path, poll_s: float = 0.005) -> None:
+    """Stop the run when this rank's resident set grows more than ``limit`` bytes above what it is now (the process
+    with its imports, before the model): a thread reads it every ``poll_s`` seconds; a rank that crosses the limit
+    writes ``memory_limit_exceeded_rank<R>.json`` to ``run_dir`` and exits with status 75, and every other rank exits
+    when it sees that file (so that no rank waits in a collective for one that is gone)."""
+    import threading
+
+    base = resident_bytes()
+    rank = os.environ.get("RANK", "0")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in run_dir.glob(f"{EXCEEDED}_rank*.json"):
+        if old.name == f"{EXCEEDED}_rank{rank}.json":
+            old.unlink(missing_ok=True)  # this rank's file from an earlier run in the same folder
+
+    def watch() -> None:
+        import time
+
+        peak = 0
+        while True:
+            grown = resident_bytes() - base
+            peak = max(peak, grown)
+            if grown > limit:
+                (run_dir / f"{EXCEEDED}_rank{rank}.json").write_text(json.dumps(
+                    {"rank": int(rank), "grown_bytes": grown, "limit_bytes": limit, "base_bytes": base}))
+                print(f"rank {rank}: resident set {grown / 2**20:.1f} MiB above its start, over the enforced limit"
+                      f" of {limit / 2**20:.1f} MiB: stopping the run", flush=True)
+                os._exit(EXCEEDED_EXIT)
+            if any(run_dir.glob(f"{EXCEEDED}_rank*.json")):
+                os._exit(EXCEEDED_EXIT)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="memory-limit", daemon=True).start()
+
+
 def _callbacks() -> tuple[type, type]:
     import lightning as L
     import torch
@@ -233,6 +280,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--curve", type=int, default=0, metavar="K",
                     help="validate on the held-out data every K optimizer steps and write curve.json to run.dir")
     ap.add_argument("--curve-batches", type=int, default=8, help="held-out batches per evaluation")
+    ap.add_argument("--memory-limit", type=int, default=0, metavar="BYTES",
+                    help="stop the run when a rank's resident set grows more than this above its start")
     ap.add_argument("overrides", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
@@ -241,9 +290,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_paro.cli.bench import BENCH_FILE, LossRecorder, PeakMemory, StepTimer
     from lightning_paro.cli.build import build_data, build_model, build_trainer
     from lightning_paro.cli.compose import load_config
+    from lightning_paro.cli.peak_memory import fix_mmap_threshold
 
     cfg = load_config(overrides)
     compat.check_private_apis()
+    if cfg.bench.memory:
+        fix_mmap_threshold()  # before anything large is allocated, as the bench command does
+    if args.memory_limit:
+        enforce_memory_limit(args.memory_limit, Path(cfg.run.dir))
     total = cfg.bench.warmup_steps + cfg.bench.steps
     model = build_model(cfg)
     data = build_data(cfg)

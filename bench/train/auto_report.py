@@ -30,8 +30,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from choice import SettingResult, always, best_fitting, choice_matters, lowest_memory_that_fits, score  # noqa: E402
-from run import CHOICE_RESULTS as RESULTS  # noqa: E402
+from choice import (  # noqa: E402
+    SettingResult,
+    always,
+    best_fitting,
+    choice_matters,
+    lowest_memory_that_fits,
+    score,
+    three_line_rule,
+)
+from run import CHOICE_RESULTS as RESULTS  # noqa: E402  (puts bench/ on the path too)
+from provenance import stamp  # noqa: E402
 from run import CHOICE_SETTINGS, REPLAN_SETTINGS, RUN_RESULTS, RUN_SETTINGS  # noqa: E402
 
 
@@ -209,16 +218,15 @@ def run_set(fits: dict[str, frozenset]) -> tuple[list[str], dict]:
                    "within_5pct_first_three_runs": within_first_three}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--settings", default=",".join(CHOICE_SETTINGS))
-    args = ap.parse_args()
-    loaded = {n: load(n) for n in args.settings.split(",")}
+def report(settings: tuple[str, ...] = tuple(CHOICE_SETTINGS)) -> tuple[str, dict]:
+    """The report's markdown and its JSON, from the stored results of ``settings`` (nothing is written)."""
+    loaded = {n: load(n) for n in settings}
     results = [v[0] for v in loaded.values() if v]
     extras = {n: v[1] for n, v in loaded.items() if v}
     pick = lambda s: extras[s.name]["auto_pick"]  # noqa: E731
     pickers = {"auto": pick, "auto, its probe, plan and switches paid in the window": pick,
                "always NNG": always("NNG"),
+               "the rule: NNG if it fits, else IIG, else IGG": three_line_rule,
                "always the lowest-memory strategy that fits": lowest_memory_that_fits,
                "the best fitting strategy (oracle)": best_fitting}
     scores = {}
@@ -270,13 +278,21 @@ def main() -> None:
                     " paid, against the best fixed strategy run in the same passes.", "", *run_lines
                 ] if run_lines else []
     text = "\n".join(lines + footprint + ([""] + checks if checks else []) + run_part)
-    (RESULTS / "auto.md").write_text(text + "\n")
-    (RESULTS / "auto.json").write_text(json.dumps({
+    return text, {
         "settings": {s.name: {"tokens_per_s": dict(s.tokens_per_s), "fits": sorted(s.fits), "best": s.best,
                               **extras[s.name]} for s in results},
         "scores": {k: {"passed": v.passed, "reason": v.reason, "picks": dict(v.picks), "misses": list(v.misses)}
                    for k, v in scores.items()},
-        "choice_matters": choice_matters(results), "run_set": run_json}, indent=2))
+        "choice_matters": choice_matters(results), "run_set": run_json}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--settings", default=",".join(CHOICE_SETTINGS))
+    args = ap.parse_args()
+    text, data = report(tuple(args.settings.split(",")))
+    (RESULTS / "auto.md").write_text(text + "\n")
+    (RESULTS / "auto.json").write_text(json.dumps({**data, "provenance": stamp()}, indent=2))
     print(text)
 
 

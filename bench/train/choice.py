@@ -145,6 +145,18 @@ def lowest_memory_that_fits(setting: SettingResult) -> str:
     return min(setting.fits, key=lambda s: (setting.memory_bytes[s], s))
 
 
+RULE = ("NNG", "IIG", "IGG")
+"""The simple rule a planner must beat: NNG if it fits, else IIG, else IGG (else the lowest-memory that fits)."""
+
+
+def three_line_rule(setting: SettingResult) -> str:
+    """The first of ``RULE`` that fits the setting, else the lowest-memory strategy that fits."""
+    for strategy in RULE:
+        if strategy in setting.fits:
+            return strategy
+    return lowest_memory_that_fits(setting)
+
+
 def best_fitting(setting: SettingResult) -> str:
     """The picker that picks the measured best fitting strategy (an oracle: it passes whenever anything can)."""
     return setting.best

@@ -25,6 +25,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from provenance import stamp  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "train"
 SYSTEMS = ["ddp", "fsdp2", "hsdp", "paro_nnn", "paro_nng", "paro_ing", "paro_iig", "paro_ngg", "paro_ggg",
            "paro_ggg+sharded_eval"]
@@ -135,7 +138,8 @@ def main() -> None:
     rows = [{**median_row(runs[s]), **predicted(s)} for s in systems]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "memory.json").write_text(json.dumps({"world_size": WORLD, "group_size": GROUP, "model": MODEL,
-                                                     "accumulation": ACCUMULATION, "rows": rows}, indent=2))
+                                                     "accumulation": ACCUMULATION, "rows": rows,
+                                                     "provenance": stamp()}, indent=2))
     (RESULTS / "memory.md").write_text(markdown(rows))
     print(markdown(rows))
 

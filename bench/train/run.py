@@ -193,7 +193,7 @@ MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64",
 
 
 def command(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), worker: bool = False,
-            timeout: int = 1200) -> list[str]:
+            timeout: int = 1200, memory_limit: int = 0) -> list[str]:
     """The command line of one run of ``system`` in setting ``s`` (see :func:`run_one`)."""
     system, _, variant = system.partition("~")
     if variant not in VARIANTS:
@@ -216,7 +216,10 @@ def command(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), wor
     if system.startswith("paro"):
         strategy.append(f"strategy.group_size={s.per_node}")
     peft = [f"model.trainable_blocks={s.trainable_blocks}"] if s.trainable_blocks is not None else []
-    entry = ([str(ROOT / "bench" / "train" / "anchors.py"), "--anchor", system if system in ANCHORS else "none", "--"]
+    if memory_limit:
+        worker = True
+    entry = ([str(ROOT / "bench" / "train" / "anchors.py"), "--anchor", system if system in ANCHORS else "none",
+              *(["--memory-limit", str(memory_limit)] if memory_limit else []), "--"]
              if worker else ["-m", "lightning_paro", "bench"])
     return [sys.executable, str(ROOT / "bench" / "cluster.py"), "--nodes", str(s.nodes), "--ranks-per-node",
             str(s.per_node), "--rate-mbit", str(s.mbit), "--nic", "node", "--timeout", str(timeout), "--",
@@ -227,17 +230,20 @@ def command(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), wor
 
 
 def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), cwd: Path = ROOT, worker: bool = False,
-            model: Optional[list[str]] = None, timeout: int = 1200) -> dict:
+            model: Optional[list[str]] = None, timeout: int = 1200, memory_limit: int = 0) -> dict:
     """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes);
     ``cwd``: the tree whose package runs (``python -m`` finds the working directory's first); ``worker``: through
     ``anchors.py``'s worker (anchors always are), which adds the NIC bytes of the timed steps; ``model``: overrides
-    in place of ``MODEL`` (a tiny model for tests)."""
-    cmd = command(system, s, out, extra, worker, timeout)
+    in place of ``MODEL`` (a tiny model for tests); ``memory_limit``: bytes a rank's resident set may grow above its
+    start (``anchors.py``'s enforced limit; a run that crosses it returns ``memory_limit_exceeded``)."""
+    cmd = command(system, s, out, extra, worker, timeout, memory_limit)
     if model is not None:
         first = cmd.index(MODEL[0])
         cmd[first:first + len(MODEL)] = model
     report = out / "bench.json"
     report.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
+    for left in out.glob("memory_limit_exceeded_rank*.json"):
+        left.unlink()
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout + 120)
@@ -245,6 +251,10 @@ def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), cwd
         return {"system": system, "error": f"no report after {timeout + 120} s: {str(exc.stdout or '')[-1500:]}",
                 "wall_s": time.perf_counter() - started}
     wall = time.perf_counter() - started
+    exceeded = sorted(out.glob("memory_limit_exceeded_rank*.json"))
+    if exceeded:
+        return {"system": system, "error": "memory limit exceeded", "wall_s": round(wall, 1),
+                "memory_limit_exceeded": json.loads(exceeded[0].read_text())}
     if not report.exists():
         return {"system": system, "error": proc.stdout[-1500:] + proc.stderr[-1500:], "wall_s": wall}
     result = json.loads(report.read_text())
