@@ -176,15 +176,15 @@ def commit_fraction(ledger: Ledger, shards: int, fraction: float) -> None:
     cut = int(shards * fraction)
     with ledger.db.transaction(ledger.job) as tx:
         tx.execute(
-            "UPDATE paro_predict_shards SET state = ?, rows_written = end_row - start_row, rows_failed = 0, "
-            "file = 'f', committed_at = ?, committed_by = 'bench', owner = 'bench' "
-            "WHERE job = ? AND shard_id < ? AND state IN (?, ?)",
+            "UPDATE paro_predict_shards SET state = $1, rows_written = end_row - start_row, rows_failed = 0, "
+            "file = 'f', committed_at = $2, committed_by = 'bench', owner = 'bench' "
+            "WHERE job = $3 AND shard_id < $4 AND state IN ($5, $6)",
             (COMMITTED, time.time(), ledger.job, cut, TODO, LEASED),
         )
         tx.execute(
-            "UPDATE paro_predict_shards SET state = ?, owner = NULL, lease_expires = NULL, leased_at = NULL, "
+            "UPDATE paro_predict_shards SET state = $1, owner = NULL, lease_expires = NULL, leased_at = NULL, "
             "rows_written = NULL, rows_failed = NULL, file = NULL, committed_at = NULL, committed_by = NULL "
-            "WHERE job = ? AND shard_id >= ? AND state <> ?",
+            "WHERE job = $2 AND shard_id >= $3 AND state <> $4",
             (TODO, ledger.job, cut, TODO),
         )
 
@@ -231,7 +231,7 @@ def run_one(backend: str, location: str, shards: int, args, scratch: Path) -> di
         try:
             with ledger.db.transaction(job) as tx:  # keep a shared PostgreSQL database small between runs
                 for table in ("paro_predict_shards", "paro_predict_workers", "paro_predict_jobs"):
-                    tx.execute(f"DELETE FROM {table} WHERE job = ?", (job,))
+                    tx.execute(f"DELETE FROM {table} WHERE job = $1", (job,))
         finally:
             ledger.close()
     print("  " + json.dumps(record), flush=True)

@@ -48,12 +48,12 @@ def _victim(location: str, config: ElasticPredictConfig, ready) -> None:
 
 def _as_another_host(ledger: Ledger) -> None:
     with ledger.db.transaction(JOB) as tx:
-        tx.execute("UPDATE paro_predict_workers SET host = 'another-host' WHERE job = ? AND owner = 'victim'", (JOB,))
+        tx.execute("UPDATE paro_predict_workers SET host = 'another-host' WHERE job = $1 AND owner = 'victim'", (JOB,))
         has_processes = tx.fetchone(
             "SELECT 1 FROM sqlite_master WHERE name = 'paro_predict_processes'") is not None
         if has_processes:  # a ledger that records processes: another boot id, so the pid means nothing here
             tx.execute("UPDATE paro_predict_processes SET process_space = 'another-boot-id/pid:[1]' "
-                       "WHERE job = ? AND owner = 'victim'", (JOB,))
+                       "WHERE job = $1 AND owner = 'victim'", (JOB,))
 
 
 def measure_once(case: str, config: ElasticPredictConfig, rng: random.Random) -> float:
