@@ -113,6 +113,7 @@ def _timing(elapsed: float, start: float, clock: _BatchClock) -> dict:
     if steady:
         out["steady_rows_per_s"] = steady["steady_rows_per_s"]
         out["first_batch_s"] = steady["first_batch_at"] - start
+        out["after_last_batch_s"] = start + elapsed - clock.stamps[-1][0]
     return out
 
 

@@ -2,7 +2,8 @@
 
 ``python object_store.py --latency-ms 30`` listens on 127.0.0.1 (a free port), prints ``PORT <n>``
 and serves ``GET /obj/<i>``: a deterministic JSON record of ~1 KiB for row ``i``, after sleeping
-the latency. Each request runs in its own thread, like a remote store serving many clients.
+the latency; ``GET /doc/<i>``: a longer document (``document``), zlib-compressed, as a store of compressed
+records holds it. Each request runs in its own thread, like a remote store serving many clients.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import zlib
 import subprocess
 import sys
 import time
@@ -25,6 +27,21 @@ def record(index: int) -> bytes:
     return json.dumps({"id": index, "text": text}).encode()
 
 
+def document(index: int, words: int = 600) -> bytes:
+    """A compressed JSON document of ``words`` words of mixed case and punctuation (~4 KiB before compression)."""
+    rng = random.Random(index)
+    parts = []
+    for _ in range(words):
+        word = rng.choice(WORDS)
+        parts.append(word.upper() if rng.random() < 0.1 else word)
+        if rng.random() < 0.08:
+            parts.append(rng.choice([",", ".", ";", "!"]))
+    return zlib.compress(json.dumps({"id": index, "title": f"doc {index}", "body": " ".join(parts)}).encode(), 6)
+
+
+_DOCUMENTS: dict = {}
+
+
 class Handler(BaseHTTPRequestHandler):
     latency_s = 0.03
     protocol_version = "HTTP/1.1"
@@ -32,13 +49,19 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         time.sleep(self.latency_s)
         try:
-            index = int(self.path.rsplit("/", 1)[1])
+            kind, index = self.path.rsplit("/", 2)[1:]
+            index = int(index)
         except ValueError:
             self.send_error(404)
             return
-        body = record(index)
+        if kind == "doc":  # stored objects: made once, then served as they are
+            body = _DOCUMENTS.get(index)
+            if body is None:
+                body = _DOCUMENTS[index] = document(index)
+        else:
+            body = record(index)
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "application/json" if kind == "obj" else "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

@@ -13,7 +13,8 @@ from lightning_paro.predict.ledger import Lease, Ledger, LeaseWait
 
 log = logging.getLogger(__name__)
 
-# Pause between idle tickets while this worker's own shards are still in its pipeline.
+# The longest pause between idle tickets while this worker's own shards are still in its pipeline (a commit of one
+# of them ends the pause at once).
 _IDLE_TICKET_PAUSE_S = 0.02
 
 
@@ -21,20 +22,34 @@ class InFlightShards:
     """Shards leased by this worker whose output is not committed yet (shared by sampler and writer)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._ids: set[int] = set()
+        self._discarded = 0
 
     def add(self, shard_id: int) -> None:
-        with self._lock:
+        with self._changed:
             self._ids.add(shard_id)
 
     def discard(self, shard_id: int) -> None:
-        with self._lock:
+        with self._changed:
             self._ids.discard(shard_id)
+            self._discarded += 1
+            self._changed.notify_all()
 
     def __len__(self) -> int:
-        with self._lock:
+        with self._changed:
             return len(self._ids)
+
+    def discards(self) -> int:
+        """How many times a shard left the set so far (a mark for ``wait_for_discard``)."""
+        with self._changed:
+            return self._discarded
+
+    def wait_for_discard(self, mark: int, timeout_s: float) -> bool:
+        """Waits until a shard left the set after ``discards()`` returned ``mark``, at most ``timeout_s``; returns
+        whether one did."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._discarded != mark, timeout_s)
 
 
 def tickets_for_lease(lease: Lease, batch_size: int) -> Iterator[BatchTicket]:
@@ -83,6 +98,7 @@ class ShardBatchSampler:
         cfg = self.config
         while not self.stop.is_set():
             idle = len(self.in_flight) == 0
+            committed_mark = self.in_flight.discards()
             outcome = ledger.lease(
                 self.owner,
                 lease_ttl_s=cfg.lease_ttl_s,
@@ -103,8 +119,10 @@ class ShardBatchSampler:
                 return
             if idle:
                 time.sleep(cfg.poll_interval_s)
-            else:
-                time.sleep(_IDLE_TICKET_PAUSE_S)
+            elif not self.in_flight.wait_for_discard(committed_mark, _IDLE_TICKET_PAUSE_S):
+                # this worker's own shards are still being predicted: an empty batch keeps its loop turning (the
+                # DataLoader holds a batch until it has the next indices). A commit meanwhile asks the ledger again
+                # at once, which at the job's end says it is done without one more idle batch
                 yield idle_ticket()
 
     def close(self) -> None:

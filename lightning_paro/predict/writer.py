@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from lightning_paro.predict import shard_files
@@ -18,7 +19,7 @@ from lightning_paro.predict.batch import (
     index_array,
     take,
 )
-from lightning_paro.predict.columns import prediction_columns
+from lightning_paro.predict.columns import numpy_to_arrow, prediction_columns
 from lightning_paro.predict.heartbeat import ProgressClock
 from lightning_paro.predict.ledger import CommitResult, Lease, Ledger
 from lightning_paro.predict.sampler import InFlightShards
@@ -212,9 +213,11 @@ class ShardWriter(threading.Thread):
             self._open = None
 
     def _table(self, outcome: StepOutcome, positions: Sequence[int], prediction) -> pa.Table:
-        columns = {self.index_column: pa.array(take(index_array(outcome.indices), positions), pa.int64())}
+        columns = {self.index_column: numpy_to_arrow(np.asarray(take(index_array(outcome.indices), positions),
+                                                                 dtype=np.int64))}
         if self.id_column is not None and outcome.ids is not None:
-            columns[self.id_column] = pa.array(take(outcome.ids, positions))
+            ids = take(outcome.ids, positions)
+            columns[self.id_column] = numpy_to_arrow(ids) if isinstance(ids, np.ndarray) else pa.array(ids)
         for name, array in prediction_columns(prediction, len(positions)).items():
             if name in columns:
                 raise ValueError(
