@@ -131,7 +131,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "val_batches": args.val_batches, "devices": DEVICES, "group_size": GROUP,
                 "parameters_label": "bench GPT (10.7M parameters)" if args.model == "bench" else "tiny GPT",
                 "data": "lightning_paro.demo.StdlibData defaults (600 kB train, 100 kB held out)",
-                "options": {o: OPTIONS[o] for o in OPTIONS}}
+                "options": {o: list(OPTIONS[o]) for o in OPTIONS}}
+    settings = json.loads(json.dumps(settings))  # as stored (tuples become lists), so a rerun finds its runs
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     if data.get("settings") != settings:
         data = {"settings": settings, "runs": {}}  # runs of other settings never join these
