@@ -17,7 +17,8 @@ rather than through ``@hydra.main``, for three reasons measured on hydra-core 1.
 - a composition error under ``@hydra.main`` is Hydra's several lines and exit code 1; here every config error is one
   line naming the key and its fix, exit code 2.
 
-What stays hand-written is what Hydra does not do: the command word, the checks of the composed config (``checks.py``,
+``--shell-completion`` (``-sc install=bash``) is Hydra's completion plugin over the same search path. What stays
+hand-written is what Hydra does not do: the command word, the checks of the composed config (``checks.py``,
 ``targets.py``), the help's list of groups, and starting a process per sweep job.
 """
 
@@ -34,7 +35,15 @@ from typing import Optional, Sequence
 from hydra._internal.utils import get_args_parser
 
 from lightning_paro.cli.checks import check_launch_environment
-from lightning_paro.cli.compose import LAUNCH_TIME_ENV, group_options, load_config, package_config_dir, user_config_dirs
+from lightning_paro.cli.compose import (
+    CONFIG_NAME,
+    LAUNCH_TIME_ENV,
+    PACKAGE_CONFIG_MODULE,
+    group_options,
+    load_config,
+    package_config_dir,
+    user_config_dirs,
+)
 from lightning_paro.cli.schema import ConfigError
 
 PROG = "lightning-paro"
@@ -45,8 +54,7 @@ COMMAND_HELP = {
 }
 USAGE = f"usage: {PROG} {{{','.join(COMMAND_HELP)}}} [KEY=VALUE ...] [-m|--multirun] [--cfg job] [--config-dir DIR]"
 UNSUPPORTED = {"hydra_help": "--hydra-help", "package": "--package", "run": "--run", "config_path": "--config-path",
-               "config_name": "--config-name", "experimental_rerun": "--experimental-rerun", "info": "--info",
-               "shell_completion": "--shell-completion"}
+               "config_name": "--config-name", "experimental_rerun": "--experimental-rerun", "info": "--info"}
 """Flags of Hydra's parser that act on ``@hydra.main``'s run, which this command line does not use (see above)."""
 
 
@@ -66,6 +74,8 @@ class Invocation:
     """--config-dir: a directory of the user's configs, added to the search path after the package's."""
     help: bool = False
     """-h/--help."""
+    shell_completion: bool = False
+    """-sc/--shell-completion: Hydra's shell completion (install=bash, uninstall=bash, query=bash; zsh, fish)."""
 
 
 def _refuse(message: str) -> None:
@@ -93,11 +103,11 @@ def parse_args(argv: Sequence[str]) -> Invocation:
         overrides.remove(command)
         if command not in COMMAND_HELP:
             raise ConfigError("command", f"{command!r} is not a command; use one of {', '.join(COMMAND_HELP)}")
-    elif not args.help:
+    elif not (args.help or args.shell_completion):
         raise ConfigError("command", f"missing; use one of {', '.join(COMMAND_HELP)} ({USAGE})")
     config_dirs = (Path(args.config_dir).expanduser().resolve(),) if args.config_dir else ()
     return Invocation(command, tuple(overrides), multirun=args.multirun, print_config=args.cfg is not None,
-                      config_dirs=config_dirs, help=args.help)
+                      config_dirs=config_dirs, help=args.help, shell_completion=args.shell_completion)
 
 
 def help_text(config_dirs: Sequence[Path] = ()) -> str:
@@ -123,6 +133,31 @@ def help_text(config_dirs: Sequence[Path] = ()) -> str:
     return "\n".join(lines)
 
 
+def shell_completion(invocation: Invocation) -> None:
+    """Hydra's completion plugins over this command line's search path (the package's tree, the stored nodes, the
+    user's directories): ``eval "$(lightning-paro -sc install=bash)"``, then tab completes groups, options and keys.
+    The command word is taken out of the line Hydra completes, which it would read as an override."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    line = os.environ.get("COMP_LINE")
+    if line is not None:
+        os.environ["COMP_LINE"] = re.sub(rf"^(\s*\S+\s+)(?:{'|'.join(COMMAND_HELP)})(?:\s+|$)", r"\1", line, count=1)
+    search_path = create_config_search_path(f"pkg://{PACKAGE_CONFIG_MODULE}")
+    for directory in user_config_dirs(invocation.config_dirs):
+        search_path.append("lightning-paro", f"file://{directory}")
+    GlobalHydra.instance().clear()
+    try:
+        Hydra.create_main_hydra2(task_name=PROG, config_search_path=search_path).shell_completion(
+            config_name=CONFIG_NAME, overrides=list(invocation.overrides))
+    except ValueError as err:
+        raise ConfigError("--shell-completion", f"{str(err).splitlines()[0]} (install=bash, uninstall=bash or"
+                                                " query=bash; zsh and fish too)") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def _launching_process() -> bool:
     """Whether this is the process a user started (not a rank Lightning or torchrun started beside it)."""
     return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
@@ -136,6 +171,9 @@ def run(invocation: Invocation) -> int:
     """Execute a parsed command line; returns the exit code."""
     if invocation.help:
         print(help_text(invocation.config_dirs))
+        return 0
+    if invocation.shell_completion:
+        shell_completion(invocation)
         return 0
     assert invocation.command is not None
     # the processes Lightning starts for this run inherit it: ${now:...} resolves alike in all of them

@@ -358,6 +358,20 @@ def test_print_config_and_help(capsys):
     assert "paro_nig" in out and "fsdp2" in out and "gpt_tiny" in out
 
 
+def test_tab_completion_is_hydra_s_over_the_stored_options(monkeypatch, capsys):
+    assert main(["-sc", "install=bash"]) == 0
+    assert "hydra_bash_completion" in capsys.readouterr().out
+    # the command word is no override; the paro_xyz options are the stored ones, the keys those of the chosen node
+    monkeypatch.setenv("COMP_LINE", "lightning-paro fit strategy=paro_ni")
+    assert main(["-sc", "query=bash"]) == 0
+    assert capsys.readouterr().out.split() == ["strategy=paro_nig", "strategy=paro_nii"]
+    monkeypatch.setenv("COMP_LINE", "lightning-paro bench experiment=demo strategy=ddp strategy.find")
+    assert main(["-sc", "query=bash"]) == 0
+    assert capsys.readouterr().out.split() == ["strategy.find_unused_parameters="]
+    assert main(["-sc", "bogus=bash"]) == 2
+    assert capsys.readouterr().err.startswith("lightning-paro: error: --shell-completion: ")
+
+
 def test_a_ledger_password_is_never_printed_or_saved(capsys):
     from lightning_paro.cli.commands import config_yaml
 
