@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader
 
-from workload import HttpRecords, Scorer, TinyEncoder
+from workload import HttpRecords, Scorer, ThreadedHttpRecords, TinyEncoder
 
 BATCH = 32
 LOADER_WORKERS = 2
@@ -40,8 +40,11 @@ def _peak_rss_mib() -> float:
     return round((own + children) / 1024, 1)
 
 
-def _loader(url, rows):
-    return DataLoader(HttpRecords(url, rows), batch_size=BATCH, num_workers=LOADER_WORKERS)
+def _loader(url, rows, getitems_threads: int | None = None, loader_workers: int = LOADER_WORKERS):
+    """The benchmark's DataLoader; a plain anchor may fetch each batch with ``getitems_threads`` threads in the
+    dataset's ``__getitems__``, or run more DataLoader workers."""
+    dataset = HttpRecords(url, rows) if not getitems_threads else ThreadedHttpRecords(url, rows, getitems_threads)
+    return DataLoader(dataset, batch_size=BATCH, num_workers=loader_workers)
 
 
 def _lightning_module(multi: bool, elastic: bool, scorer_layers: int | None = None):
@@ -124,8 +127,10 @@ def _trainer(callbacks):
                      enable_model_summary=False, enable_checkpointing=False)
 
 
-def baseline(url, rows, out: Path, multi: bool, scorer_layers: int | None = None) -> dict:
-    """Plain Trainer.predict with a BasePredictionWriter writing one Parquet file per batch."""
+def baseline(url, rows, out: Path, multi: bool, scorer_layers: int | None = None, getitems_threads: int | None = None,
+             loader_workers: int = LOADER_WORKERS) -> dict:
+    """Plain Trainer.predict with a BasePredictionWriter writing one Parquet file per batch; ``getitems_threads`` and
+    ``loader_workers`` give its reading I/O concurrency (see ``_loader``)."""
     from lightning.pytorch.callbacks import BasePredictionWriter
 
     class ParquetWriter(BasePredictionWriter):
@@ -144,7 +149,7 @@ def baseline(url, rows, out: Path, multi: bool, scorer_layers: int | None = None
     trainer = _trainer([ParquetWriter(), _stamping_callback(clock)])
     start = time.perf_counter()
     module = _lightning_module(multi, elastic=False, scorer_layers=scorer_layers)
-    trainer.predict(module, dataloaders=_loader(url, rows), return_predictions=False)
+    trainer.predict(module, dataloaders=_loader(url, rows, getitems_threads, loader_workers), return_predictions=False)
     elapsed = time.perf_counter() - start
     written = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("*.parquet"))
     return {**_timing(elapsed, start, clock), "rows": written}

@@ -14,8 +14,13 @@ Usage::
     python bench/predict/ledger_scale.py [--backends sqlite,postgres] [--shards 10000,100000] [--workers 32]
         [--duration 8] [--pg-url URL]
 
-The PostgreSQL URL comes from ``--pg-url`` or ``LIGHTNING_PARO_TEST_PG_URL`` (``eval "$(bash scripts/postgres.sh)"``
-starts a private server). Results go to ``bench/results/predict/ledger_scale.json`` and ``.md``.
+With ``--pg-start`` (the default when no URL is given) it starts a private PostgreSQL server of its own for the run
+(``initdb`` into a temporary directory, a unix socket only) with durability as shipped: ``fsync=on``,
+``synchronous_commit`` at its default, only ``max_connections`` raised for the workers; and stops it after. Otherwise
+the URL comes from ``--pg-url`` or ``LIGHTNING_PARO_TEST_PG_URL`` (the test suite's server runs with ``fsync=off``:
+figures against it are not durable ones). The settings that decide durability are read back from each database and
+stored with the results (PostgreSQL: fsync, synchronous_commit, wal_sync_method, full_page_writes; SQLite:
+synchronous, journal_mode). Results go to ``bench/results/predict/ledger_scale.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import multiprocessing
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +48,64 @@ from lightning_paro.predict.ledger import COMMITTED, LEASED, TODO, Lease, Ledger
 RESULTS = REPO / "bench" / "results" / "predict"
 ROWS_PER_SHARD = 1000
 LEASE_TTL_S = 120.0
+
+
+PG_DURABILITY = ("fsync", "synchronous_commit", "wal_sync_method", "full_page_writes", "shared_buffers",
+                 "server_version")
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of this run's own, with its shipped durability settings (``fsync=on``)."""
+
+    def __init__(self, max_connections: int) -> None:
+        import shutil
+        import subprocess
+
+        self.subprocess = subprocess
+        bindir = next((str(Path(p).parent) for p in (shutil.which("pg_ctl"),) if p), None)
+        if bindir is None or not (Path(bindir) / "initdb").exists():
+            candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+            if not candidates:
+                raise SystemExit("PostgreSQL server binaries (pg_ctl, initdb) not found: install PostgreSQL or pass "
+                                 "--pg-url")
+            bindir = str(candidates[-1].parent)
+        self.bin = Path(bindir)
+        self.dir = Path(tempfile.mkdtemp(prefix="ledger-scale-pg-"))
+        self.as_user: list = []
+        user = None
+        if os.getuid() == 0:  # PostgreSQL refuses to run as root
+            import pwd
+
+            try:
+                pwd.getpwnam("postgres")
+            except KeyError:
+                subprocess.run(["useradd", "--system", "--home-dir", str(self.dir), "--shell", "/bin/false",
+                                "postgres"], check=True)
+            os.chown(self.dir, pwd.getpwnam("postgres").pw_uid, -1)
+            self.as_user, user = ["runuser", "-u", "postgres", "--"], "postgres"
+        user = user or __import__("getpass").getuser()
+        data = self.dir / "data"
+        subprocess.run(self.as_user + [str(self.bin / "initdb"), "-D", str(data), "-U", user, "--auth=trust",
+                                       "-E", "UTF8"], check=True, capture_output=True)
+        options = f"-c listen_addresses='' -c unix_socket_directories='{self.dir}' -c max_connections={max_connections}"
+        subprocess.run(self.as_user + [str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.dir / "log"), "-w",
+                                       "-t", "60", "-o", options, "start"], check=True, capture_output=True)
+        self.data = data
+        self.url = f"postgresql://{user}@/postgres?host={self.dir}"
+
+    def stop(self) -> None:
+        import shutil
+
+        self.subprocess.run(self.as_user + [str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w",
+                                            "stop"], capture_output=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def durability_settings(ledger: Ledger, location: str) -> dict:
+    """The settings of the ledger's database that decide what a commit survives."""
+    if location.startswith("postgres"):
+        return {name: str(ledger.db.query(f"SHOW {name}")[0][0]) for name in PG_DURABILITY}
+    return {name: str(ledger.db.query(f"PRAGMA {name}")[0][0]) for name in ("synchronous", "journal_mode")}
 
 
 def percentile(values: list, q: float) -> float:
@@ -208,6 +272,7 @@ def run_one(backend: str, location: str, shards: int, args, scratch: Path) -> di
     record = {"backend": backend, "shards": shards, "rows": rows, "load_average_1m": round(os.getloadavg()[0], 1)}
     ledger = Ledger(location, job)
     try:
+        record["durability"] = durability_settings(ledger, location)
         t0 = time.perf_counter()
         ledger.ensure_job(rows, ROWS_PER_SHARD)
         record["create_s"] = round(time.perf_counter() - t0, 3)
@@ -267,7 +332,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--duration", type=float, default=8.0, help="seconds of the many-worker phase")
     parser.add_argument("--single-cycles", type=int, default=200)
-    parser.add_argument("--pg-url", default=os.environ.get("LIGHTNING_PARO_TEST_PG_URL"))
+    parser.add_argument("--pg-url", default=None, help="an existing server's URL (default: --pg-start)")
+    parser.add_argument("--pg-start", action="store_true",
+                        help="start a private server with fsync=on for the run (the default without --pg-url)")
     parser.add_argument("--scratch", default=None, help="directory for the SQLite ledgers and tiny files")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
@@ -281,27 +348,49 @@ def main() -> None:
         "finished": None,
     }
     records = []
-    with tempfile.TemporaryDirectory(dir=args.scratch, prefix="ledger-scale-") as scratch_dir:
-        scratch = Path(scratch_dir)
-        for backend in args.backends.split(","):
-            if backend == "postgres" and not args.pg_url:
-                print("no PostgreSQL URL (--pg-url or LIGHTNING_PARO_TEST_PG_URL): skipping postgres", flush=True)
-                continue
-            for shards in (int(s) for s in args.shards.split(",")):
-                location = args.pg_url if backend == "postgres" else str(scratch / f"ledger-{shards}.sqlite")
-                records.append(run_one(backend, location, shards, args, scratch))
+    server = None
+    if "postgres" in args.backends.split(",") and (args.pg_start or not args.pg_url):
+        server = PrivatePostgres(max_connections=args.workers + 20)
+        args.pg_url = server.url
+        meta["postgres_server"] = "started by this run: initdb defaults (fsync=on, synchronous_commit as shipped)"
+    try:
+        run_all(args, records)
+    finally:
+        if server is not None:
+            server.stop()
+    meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=REPO).stdout.strip()
+    meta["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    meta["platform"] = platform.platform()
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     text = table(records, meta)
     print(text)
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "ledger_scale.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
+        durability = "; ".join(
+            f"{r['backend']}: " + ", ".join(f"{k}={v}" for k, v in r["durability"].items())
+            for r in {r["backend"]: r for r in records}.values()
+        )
         settings = (
             f"{args.workers} worker processes, {args.duration:g} s each run, {ROWS_PER_SHARD} rows per shard, "
-            f"{meta['cpus']} CPUs; load avg: the machine's 1-minute load average when each row started (other "
+            f"{meta['cpus']} CPUs ({meta['platform']}), commit {meta['commit']}; durability as read back from the "
+            f"databases: {durability}; load avg: the machine's 1-minute load average when each row started (other "
             f"jobs included); finished {meta['finished']}."
         )
         (RESULTS / "ledger_scale.md").write_text(f"# Ledger at scale\n\n{settings}\n\n{text}\n")
+
+
+def run_all(args, records: list) -> None:
+    with tempfile.TemporaryDirectory(dir=args.scratch, prefix="ledger-scale-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        for backend in args.backends.split(","):
+            if backend == "postgres" and not args.pg_url:
+                print("no PostgreSQL URL: skipping postgres", flush=True)
+                continue
+            for shards in (int(s) for s in args.shards.split(",")):
+                location = args.pg_url if backend == "postgres" else str(scratch / f"ledger-{shards}.sqlite")
+                records.append(run_one(backend, location, shards, args, scratch))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@
 Starts a local HTTP object store (127.0.0.1, fixed latency per request) for the latency-bound read path and runs
 every configuration in a fresh process, ``--passes`` times, in an order that rotates from pass to pass so that the
 machine's busy spells hit every configuration alike. ElasticPredict and run_pipeline run with their default
-``fetch_threads`` (chosen as they read) unless a row says otherwise. The compute-bound pass also measures the model
-stage alone (inputs in memory, same batch, one thread). Reported: the median of the passes for each rate, and the
+``fetch_threads`` (chosen as they read) unless a row says otherwise. Plain Trainer.predict runs latency-bound with
+the I/O concurrency its users would give it (``LATENCY_ANCHORS``: a thread pool in ``__getitems__`` or more DataLoader
+workers; the fastest in each pass is the tuned anchor), and Ray Data (``ray_bench.py``) with ``ray.init`` before the
+timing and its batch size and actors per model stage tuned. The compute-bound pass also measures the model stage alone
+(inputs in memory, same batch, one thread). Reported: the median of the passes for each rate, and the
 median of the per-pass ratios. Writes ``bench/results/predict/results.json`` and ``results.md``. Run it inside a
 private network namespace (``unshare --net``, see run.sh) so that Ray's listeners stay off the network.
 """
@@ -34,12 +37,24 @@ from object_store import ObjectStore  # noqa: E402
 from report import render  # noqa: E402
 
 # (key, configuration, keyword arguments): every ElasticPredict and run_pipeline setting not named is its default
+# plain Trainer.predict as its users would tune it for latency-bound reads: a thread pool in the dataset's
+# __getitems__ (16 or 32 per DataLoader worker; ElasticPredict's default settles on 32), or as many DataLoader workers
+# as ElasticPredict has fetch threads per worker (32); the fastest of them in each pass is the tuned anchor
+LATENCY_ANCHORS = {
+    "single": [("baseline_single_getitems_16", {"getitems_threads": 16}),
+               ("baseline_single_getitems_32", {"getitems_threads": 32}),
+               ("baseline_single_workers_32", {"loader_workers": 32})],
+    "multi": [("baseline_multi_getitems_32", {"getitems_threads": 32}),
+              ("baseline_multi_workers_32", {"loader_workers": 32})],
+}
 LATENCY = [
     ("baseline_single", "baseline", {"multi": False}),
+    *[(key, "baseline", {"multi": False, **kw}) for key, kw in LATENCY_ANCHORS["single"]],
     ("elastic_single", "elastic", {"multi": False}),
     ("elastic_single_fetch_threads_1", "elastic", {"multi": False, "fetch_threads": 1}),
     ("elastic_single_fetch_threads_16", "elastic", {"multi": False, "fetch_threads": 16}),
     ("baseline_multi", "baseline", {"multi": True}),
+    *[(key, "baseline", {"multi": True, **kw}) for key, kw in LATENCY_ANCHORS["multi"]],
     ("elastic_multi_in_one_step", "elastic", {"multi": True}),
     ("pipeline_multi", "pipeline", {"max_replicas": 2}),
 ]
@@ -77,11 +92,28 @@ RATIOS = [
      "compute.pipeline_multi_light.steady_rows_per_s", "compute.model_limit_light.rows_per_s"),
     ("compute-bound, 2 models, light second stage: run_pipeline / Trainer.predict with both models",
      "compute.pipeline_multi_light.rows_per_s", "compute.baseline_multi_light.rows_per_s"),
-    ("latency-bound, 1 model: ElasticPredict (defaults) / Trainer.predict + writer",
+    ("latency-bound, 1 model: ElasticPredict (defaults) / Trainer.predict + writer, tuned I/O concurrency",
+     "latency.elastic_single.rows_per_s", "latency.baseline_single_tuned.rows_per_s"),
+    ("latency-bound, 1 model: ElasticPredict (defaults) / Ray Data, tuned",
+     "latency.elastic_single.rows_per_s", "latency.ray_single.rows_per_s"),
+    ("latency-bound, 2 models: run_pipeline (defaults) / Trainer.predict with both models, tuned I/O concurrency",
+     "latency.pipeline_multi.rows_per_s", "latency.baseline_multi_tuned.rows_per_s"),
+    ("latency-bound, 2 models: run_pipeline (defaults) / Ray Data, one actor pool per model, tuned",
+     "latency.pipeline_multi.rows_per_s", "latency.ray_multi.rows_per_s"),
+    ("latency-bound, 1 model: ElasticPredict (defaults) / Trainer.predict + writer, 2 serial DataLoader workers",
      "latency.elastic_single.rows_per_s", "latency.baseline_single.rows_per_s"),
-    ("latency-bound, 2 models: run_pipeline (defaults) / Trainer.predict with both models",
-     "latency.pipeline_multi.rows_per_s", "latency.baseline_multi.rows_per_s"),
 ]
+
+
+def pick_tuned(lat: dict) -> None:
+    """Adds ``baseline_<models>_tuned``: the fastest plain Trainer.predict of this pass (the serial one included),
+    with the key of the setting it was."""
+    for models in ("single", "multi"):
+        keys = [f"baseline_{models}"] + [key for key, _ in LATENCY_ANCHORS[models]]
+        runs = {k: lat[k] for k in keys if k in lat and "rows_per_s" in lat[k]}
+        if runs:
+            best = max(runs, key=lambda k: runs[k]["rows_per_s"])
+            lat[f"baseline_{models}_tuned"] = {**runs[best], "setting": best}
 
 
 def configuration_command(name: str, url, rows: int, out: Path, kwargs: dict) -> tuple[list[str], dict]:
@@ -120,9 +152,9 @@ def run_ray(python: str, url: str, rows: int, workdir: Path, multi: bool, kill_a
         command += ["--kill-after", str(kill_after)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     except subprocess.TimeoutExpired as exc:
-        return {"error": f"Ray run did not finish within 300 s: {str(exc.stderr or '')[-1500:]}"}
+        return {"error": f"Ray run did not finish within 600 s: {str(exc.stderr or '')[-1500:]}"}
     finally:
         shutil.rmtree(out, ignore_errors=True)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -130,8 +162,16 @@ def run_ray(python: str, url: str, rows: int, workdir: Path, multi: bool, kill_a
         return {"error": (proc.stdout[-1000:] + proc.stderr[-3000:]).strip()}
     result = json.loads(line[len("RESULT "):])
     result["load_avg_1min"] = round(os.getloadavg()[0], 2)
-    print(f"  ray multi={multi} kill={kill_after}: {result}", flush=True)
+    print(f"  ray multi={multi} kill={kill_after}: best {result['rows_per_s']:.1f} rows/s at batch "
+          f"{result['batch_size']}, {result['model_actors']} actor(s) per model stage; {json.dumps(result)}", flush=True)
     return result
+
+
+def _commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "lightning_paro", "bench/predict"],
+                           capture_output=True, text=True, cwd=HERE.parent.parent).stdout.strip()
+    return head.strip() + (" (with uncommitted changes)" if dirty else "")
 
 
 def rotated(items: list, shift: int) -> list:
@@ -178,10 +218,14 @@ def main() -> None:
     results: dict = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "settings": vars(args) | {"batch_size": 32, "dataloader_workers": 2, "torch_threads": 1, "shard_size": 256,
-                                  "ray_fetch_threads": 16},
+                                  "latency_anchors": LATENCY_ANCHORS},
+        "commit": _commit(),
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "passes": [],
     }
+    if args.ray_python:
+        results["ray_version"] = subprocess.run([args.ray_python, "-c", "import ray; print(ray.__version__)"],
+                                                capture_output=True, text=True).stdout.strip()
     workdir = Path(tempfile.mkdtemp(prefix="predict-bench-"))
     try:
         with ObjectStore(args.latency_ms) as store:
@@ -195,6 +239,7 @@ def main() -> None:
                     lat["read_limit"] = run_once("read_limit", store.url, 600, workdir, concurrency=32)
                     for key, name, kwargs in rotated(LATENCY, p):
                         lat[key] = run_once(name, store.url, args.rows, workdir, **kwargs)
+                    pick_tuned(lat)
                     if args.ray_python:
                         lat["ray_single"] = run_ray(args.ray_python, store.url, args.rows, workdir, multi=False)
                         lat["ray_multi"] = run_ray(args.ray_python, store.url, args.rows, workdir, multi=True)

@@ -54,6 +54,30 @@ class HttpRecords(Dataset):
         return {"tokens": preprocess(rec["text"]), "id": rec["id"]}
 
 
+class ThreadedHttpRecords(HttpRecords):
+    """``HttpRecords`` whose batches are fetched by a thread pool of ``threads`` in each DataLoader worker: the I/O
+    concurrency a user gives plain ``Trainer.predict`` through ``__getitems__``, which the DataLoader calls with a
+    batch's indices."""
+
+    def __init__(self, url: Optional[str], rows: int, threads: int = 16) -> None:
+        super().__init__(url, rows)
+        self.threads = threads
+        self._pool = None
+
+    def __getstate__(self):
+        return {"url": self.url, "rows": self.rows, "threads": self.threads}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"], state["rows"], state["threads"])
+
+    def __getitems__(self, indices: list) -> list:
+        if self._pool is None:  # made in the DataLoader worker that uses it
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.threads)
+        return list(self._pool.map(self.__getitem__, indices))
+
+
 class TinyEncoder(torch.nn.Module):
     """A small transformer encoder producing a pooled embedding per row."""
 
