@@ -112,11 +112,6 @@ def package_config_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "conf"
 
 
-def default_config_dir() -> Path:
-    """The package's config tree (an alias kept for callers of earlier versions)."""
-    return package_config_dir()
-
-
 def user_config_dirs(config_dirs: Iterable[Path] = ()) -> list[Path]:
     """``--config-dir`` directories, then those of ``$LIGHTNING_PARO_CONFIG_DIR``, absolute; each must exist."""
     listed = [Path(d) for d in config_dirs]

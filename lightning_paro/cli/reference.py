@@ -1,6 +1,7 @@
 """docs/config.md's tables of the typed nodes, generated from their dataclasses (``schema.py``): the default column is
-each field's default, the meaning its docstring (for a ``predict`` key without one, ElasticPredict's). Regenerate with
-``python -m lightning_paro.cli.reference docs/config.md``; a test checks the committed file equals the generated one."""
+each field's default, the meaning its docstring or, for a key without one, the docstring of the library's option of
+that name (``PaROOptions``, ``ElasticPredictConfig``). Regenerate with ``python -m lightning_paro.cli.reference
+docs/config.md``; a test checks the committed file equals the generated one."""
 
 from __future__ import annotations
 
@@ -20,20 +21,22 @@ from lightning_paro.cli.schema import (
     RunConfig,
 )
 from lightning_paro.predict.config import ElasticPredictConfig
+from lightning_paro.strategy.options import PaROOptions
 
-TABLES = {"strategy/paro": ("strategy", ParoStrategyConfig), "strategy/ddp": ("strategy", DDPStrategyConfig),
-          "strategy/fsdp2": ("strategy", FSDP2StrategyConfig), "predict": ("predict", PredictConfig),
-          "bench": ("bench", BenchConfig), "run": ("run", RunConfig)}
-"""A marker's name -> the node's key and its dataclass."""
+TABLES = {"strategy/paro": ("strategy", ParoStrategyConfig, PaROOptions),
+          "strategy/ddp": ("strategy", DDPStrategyConfig, None), "strategy/fsdp2": ("strategy", FSDP2StrategyConfig, None),
+          "predict": ("predict", PredictConfig, ElasticPredictConfig), "bench": ("bench", BenchConfig, None),
+          "run": ("run", RunConfig, None)}
+"""A marker's name -> the node's key, its dataclass and the library's options it passes on."""
 MARKER = re.compile(r"(<!-- keys: ([\w/]+) -->\n).*?(<!-- /keys -->)", re.S)
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, joined into one line."""
+    """The docstring under each field of a dataclass, joined into one line, in Markdown's backticks."""
     docs, body = {}, ast.parse(inspect.getsource(cls)).body[0].body
     for field, doc in zip(body, body[1:]):
         if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
-            docs[field.target.id] = " ".join(str(doc.value.value).split())
+            docs[field.target.id] = " ".join(str(doc.value.value).replace("``", "`").split())
     return docs
 
 
@@ -42,8 +45,8 @@ def _yaml(value: object) -> str:
 
 
 def table(name: str) -> str:
-    key, cls = TABLES[name]
-    docs = {**(field_docs(ElasticPredictConfig) if cls is PredictConfig else {}), **field_docs(cls)}
+    key, cls, library = TABLES[name]
+    docs = {**(field_docs(library) if library else {}), **field_docs(cls)}
     rows = ["| key | default | meaning |", "|---|---|---|"]
     rows += [f"| `{key}.{f.name}` | `{_yaml(f.default)}` | {docs.get(f.name, '')} |" for f in dataclasses.fields(cls)]
     return "\n".join(rows) + "\n"

@@ -76,10 +76,7 @@ class ParoStrategyConfig:
     units: Any = LIBRARY.units
     """Blocks gathered and freed together: `auto` (the repeated blocks) or a list of dotted class names."""
     prefetch: int = LIBRARY.prefetch
-    """Units gathered ahead of the one computing (0: none)."""
     chunk_bytes: Optional[int] = LIBRARY.chunk_bytes
-    """Pipeline chunk of the HO-Ring collectives between groups, in bytes (null: 2 MiB; with `sharding: auto`, the chunk
-    the cost model predicts fastest for the probed links, 2-64 MiB)."""
     memory_budget: float = AUTO.memory_budget
     """`sharding=auto`: share of a rank's memory (at most 1) or bytes (above 1) the chosen strategy may use."""
     micro_step_seconds: Optional[float] = AUTO.micro_step_seconds
@@ -114,7 +111,6 @@ class ParoStrategyConfig:
     inter_overlap: float = Link(1.0).overlap
     """`sharding=auto` with given bandwidths: `intra_overlap` for the link between groups."""
     log_traffic: bool = LIBRARY.log_traffic
-    """Log `paro/intra_bytes` and `paro/inter_bytes` per optimizer step."""
     state_dict_type: str = LIBRARY.state_dict_type
     """Checkpoints (`weights.ckpt`, `ModelCheckpoint`'s) as a directory of per-rank shards (`sharded`: any world size,
     group size or strategy resumes it) or one file (`full`: `torch.load` and `LightningModule.load_from_checkpoint` open
@@ -125,7 +121,6 @@ class ParoStrategyConfig:
     time (the module stays sharded after fit; read it through a checkpoint), `auto` full when the whole model fits half
     the free memory (as `PaROStrategy(gather=...)`)."""
     start_method: str = LIBRARY.start_method
-    """`popen` (Lightning's subprocess launcher), `spawn`, `fork` or `forkserver`."""
     process_group_backend: Optional[str] = LIBRARY.process_group_backend
     """`gloo` or `nccl`; null: the device's default."""
     timeout_s: float = LIBRARY.timeout.total_seconds()
@@ -294,47 +289,25 @@ class PredictConfig:
     output_dir: Optional[str] = None
     """Where the predictions go; null: `<run.dir>/predictions`."""
     format: str = ELASTIC["format"]
-    """`parquet` or `jsonl`."""
     shard_size: Optional[int] = ELASTIC["shard_size"]
-    """Rows per shard of the elastic job (leasing and commit unit); null: 16 batches."""
     index_column: str = ELASTIC["index_column"]
-    """Column holding each row's dataset index."""
     id_column: Optional[str] = ELASTIC["id_column"]
-    """Key of a per-sample id in dict samples to copy into the output."""
     ledger: Optional[str] = ELASTIC["ledger"]
-    """Shard ledger: SQLite path or `postgresql://` URL; null: `_ledger.sqlite` in the output directory."""
     job_name: Optional[str] = ELASTIC["job_name"]
-    """Name of the job in the ledger; null: the output directory's absolute path."""
     lease_ttl_s: float = ELASTIC["lease_ttl_s"]
-    """Seconds a worker's lease lives without a heartbeat."""
     heartbeat_interval_s: Optional[float] = ELASTIC["heartbeat_interval_s"]
-    """Seconds between lease renewals; null: a quarter of `lease_ttl_s`."""
     stall_timeout_s: float = ELASTIC["stall_timeout_s"]
-    """Stop renewing leases when no batch finished for this long."""
     max_attempts: int = ELASTIC["max_attempts"]
-    """Leases of one shard that may end without a commit before it is split."""
     speculate_after_s: Optional[float] = ELASTIC["speculate_after_s"]
-    """An idle worker duplicates a shard leased longer ago than this; null: never."""
     poll_interval_s: float = ELASTIC["poll_interval_s"]
-    """Seconds an idle worker waits between asking for work."""
     fetch_threads: Optional[int] = ELASTIC["fetch_threads"]
-    """Rows of a batch read concurrently per DataLoader worker; null: each worker chooses as it reads (more threads
-    while they read faster)."""
     row_retries: int = ELASTIC["row_retries"]
-    """Retries of a failing row or batch before it is bisected and reported."""
     unit_retries: int = ELASTIC["unit_retries"]
-    """Retries of a source unit (file, row group, object) that cannot be opened or read, before its rows fail
-    together."""
     unit_retry_backoff_s: float = ELASTIC["unit_retry_backoff_s"]
-    """Seconds before a unit's first retry; each next one waits twice as long."""
     max_failed_rows: int = ELASTIC["max_failed_rows"]
-    """Rows that may fail (isolated and reported) before the job fails."""
     writer_queue_size: int = ELASTIC["writer_queue_size"]
-    """Batches that may wait for the background writer."""
     progress_interval_s: float = ELASTIC["progress_interval_s"]
-    """Seconds between reads of the job's global progress."""
     worker_name: Optional[str] = ELASTIC["worker_name"]
-    """This worker's name in the ledger; null: host, process id, random suffix."""
 
     def elastic_options(self) -> dict[str, Any]:
         """The keyword arguments of ElasticPredict besides the output directory."""
