@@ -32,8 +32,9 @@ def numpy_to_arrow(values: np.ndarray) -> pa.Array:
 
     Numbers are wrapped as they are rather than passed through ``pa.array``, which imports pandas on its first call
     (a quarter to half a second of CPU, in the writer thread beside the model)."""
-    if (values.ndim == 1 and values.dtype.kind in _BUFFER_KINDS and values.dtype.isnative
-            and values.dtype.itemsize in (1, 2, 4, 8)):
+    if values.ndim == 1 and values.dtype.kind in _BUFFER_KINDS and values.dtype.itemsize in (1, 2, 4, 8):
+        if not values.dtype.isnative:  # Arrow holds numbers in this machine's byte order
+            values = values.astype(values.dtype.newbyteorder("="))
         values = np.ascontiguousarray(values)
         return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
     return pa.array(values)

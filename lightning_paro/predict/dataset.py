@@ -74,7 +74,9 @@ class FetchTuner:
       for more than :attr:`AHEAD` of the time it took to read a batch, the model (or whatever consumes the batches) is
       slower than the reading, and reading faster would gain nothing.
     * A read on one thread that kept it busy (running, or waiting for a CPU: over :attr:`BUSY` of the read's wall time)
-      is bound by CPU: one thread stays. One that left it idle tries as many threads as would keep it busy (the
+      is bound by CPU: one thread stays. Half is the line: below it more threads could read at least twice as fast;
+      above it they could not, and on a job whose reads mostly compute (decoding, tokenizing rows from a store on the
+      same machine) they would take CPU from the model and the store without reading faster. One that left it idle tries as many threads as would keep it busy (the
       wall time over the busy time, rounded up to a power of two, at most ``max_threads`` and the batch's rows).
       A worker's second row is read alone for this (after its first, which pays for imports and connections), so
       a latency-bound job is at full speed from its first batch on. A read shorter than :attr:`MIN_WALL_S` says
@@ -86,7 +88,7 @@ class FetchTuner:
       latency later is still found.
     """
 
-    BUSY = 0.8
+    BUSY = 0.5
     """Share of a one-thread read's wall time that it ran or waited for a CPU, above which it is bound by CPU."""
     AHEAD = 0.25
     """Share of a read's wall time the worker may wait for its next batch and still be the bottleneck."""
