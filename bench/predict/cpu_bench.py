@@ -2,6 +2,7 @@
 ``BasePredictionWriter`` against ElasticPredict at its defaults, the same DataLoader, runs alternated.
 
     python bench/predict/cpu_bench.py [--passes 5] [--rows 2400] [--torch-threads 0] [--out results-file-stem]
+                                      [--before COMMIT] [--overhead]
 
 The workload (``cpu_workload.py``): compressed documents from a local HTTP object store (no added latency), decoded
 and tokenized in 2 DataLoader workers, a 3-layer transformer encoder (width 256, 128 tokens) in the main process on
@@ -12,7 +13,9 @@ interpreter; the systems alternate within each pass and the first of them rotate
 Each run also reports where its CPU went: CPU seconds of the main process by thread (Python threads by name, torch's
 intra-op threads and others by their OS name), of the DataLoader workers (the main process's children), and of the
 object store, per row. Reported: medians of the passes; with ``--out``, also written as JSON and Markdown under
-``bench/results/predict/``.
+``bench/results/predict/``. ``--before COMMIT`` adds the package of an earlier commit as a third system (its
+ElasticPredict at defaults, same harness), to tell what a change did; ``--overhead`` replaces the rows and the model with
+near-free ones, leaving what each system costs per batch by itself.
 """
 
 from __future__ import annotations
@@ -234,7 +237,10 @@ def run(system: str, url: str, rows: int, out: str, torch_threads: int, settings
 SYSTEMS = {
     "baseline": ("Trainer.predict + BasePredictionWriter (Parquet file per batch)", "baseline", {}),
     "elastic": ("ElasticPredict, defaults", "elastic", {}),
+    "elastic_before": ("ElasticPredict, defaults, the package at the --before commit", "elastic", {}),
 }
+BEFORE_DIR: dict = {}
+"""``--before``: the directory holding the package of the earlier commit (put first on PYTHONPATH for its runs)."""
 
 
 def run_once(system: str, url: str, rows: int, workdir: Path, torch_threads: int, store_pid: int) -> dict:
@@ -247,6 +253,8 @@ def run_once(system: str, url: str, rows: int, workdir: Path, torch_threads: int
             % (str(HERE), name, url, rows, str(out), torch_threads, json.dumps(settings)))
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's default unless --torch-threads
     env["PYTHONWARNINGS"] = "ignore"
+    if system == "elastic_before":
+        env["PYTHONPATH"] = os.pathsep.join([BEFORE_DIR["path"], *filter(None, [env.get("PYTHONPATH")])])
     store0 = sum(cpu_seconds([store_pid]).values())
     load = os.getloadavg()[0]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
@@ -272,6 +280,8 @@ def summarize(passes: list[dict]) -> dict:
     out = {}
     for system in SYSTEMS:
         runs = [p[system] for p in passes if system in p]
+        if not runs:
+            continue
         rates = [r["rows_per_s"] for r in runs]
         threads: dict[str, list[float]] = {}
         for r in runs:
@@ -285,9 +295,10 @@ def summarize(passes: list[dict]) -> dict:
             "main_thread_cpu_ms_per_row": {k: round(statistics.median(v + [0.0] * (len(runs) - len(v))), 3)
                                            for k, v in threads.items()},
         }
-    ratios = [p["elastic"]["rows_per_s"] / p["baseline"]["rows_per_s"] for p in passes
-              if "elastic" in p and "baseline" in p]
-    out["elastic_over_baseline"] = {"median": statistics.median(ratios), "per_pass": ratios}
+    for other in ("elastic", "elastic_before"):
+        ratios = [p[other]["rows_per_s"] / p["baseline"]["rows_per_s"] for p in passes if other in p and "baseline" in p]
+        if ratios:
+            out[f"{other}_over_baseline"] = {"median": statistics.median(ratios), "per_pass": ratios}
     return out
 
 
@@ -314,17 +325,34 @@ def render(results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for system, (label, _, _) in SYSTEMS.items():
+        if system not in summary:
+            continue
         v = summary[system]
+        if system == "elastic_before":
+            label = label.replace("the --before commit", f"commit {results['settings']['before']}")
         cpu = v["cpu_ms_per_row"]
         by_thread = ", ".join(f"{k} {ms:.2f}" for k, ms in v["main_thread_cpu_ms_per_row"].items() if ms >= 0.005)
         lines.append(f"| {label} | {v['rows_per_s']['median']:.1f} | "
                      f"{', '.join(f'{x:.1f}' for x in v['rows_per_s']['runs'])} | {v['steady_rows_per_s']:.1f} | "
                      f"{cpu['main process']:.2f} / {cpu['DataLoader workers']:.2f} / {cpu['object store']:.2f} | "
                      f"{by_thread} |")
-    r = summary["elastic_over_baseline"]
-    lines += ["", f"ElasticPredict / Trainer.predict: **{r['median']:.3f}** (median of the per-pass ratios; "
-                  f"{', '.join(f'{x:.3f}' for x in r['per_pass'])})"]
+    lines.append("")
+    for key, label in (("elastic_over_baseline", "ElasticPredict / Trainer.predict"),
+                       ("elastic_before_over_baseline",
+                        f"ElasticPredict at commit {s.get('before')} / Trainer.predict")):
+        if key in summary:
+            r = summary[key]
+            lines.append(f"* {label}: **{r['median']:.3f}** (median of the per-pass ratios; "
+                         f"{', '.join(f'{x:.3f}' for x in r['per_pass'])})")
     return "\n".join(lines)
+
+
+def _provenance() -> dict:
+    """Commit, date and machine (``bench/provenance.py``), stored with the results."""
+    sys.path.insert(0, str(HERE.parent))
+    import provenance
+
+    return provenance.stamp()
 
 
 def main() -> None:
@@ -339,10 +367,20 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true",
                         help="the same loop with samples made without work and a near-free model: what each system "
                              "costs per batch by itself")
+    parser.add_argument("--before", default=None,
+                        help="a commit: its package runs as a third system, elastic_before (git archive into a "
+                             "temporary directory)")
     args = parser.parse_args()
     if args.overhead:
         os.environ["CPU_BENCH_OVERHEAD"] = "1"
     systems = args.systems.split(",")
+    if args.before:
+        before = Path(tempfile.mkdtemp(prefix="cpu-bench-before-"))
+        archive = subprocess.run(["git", "archive", args.before, "lightning_paro"], capture_output=True,
+                                 cwd=HERE.parent.parent, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        BEFORE_DIR["path"] = str(before)
+        systems.append("elastic_before")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "lightning_paro", "bench/predict"],
@@ -375,15 +413,18 @@ def main() -> None:
                                              store.proc.pid)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        if BEFORE_DIR:
+            shutil.rmtree(BEFORE_DIR["path"], ignore_errors=True)
     results["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     results["loads"] = [r["load_avg_1min_before"] for p in results["passes"] for r in p.values()]
     results["torch_threads_seen"] = sorted({r["torch_threads"] for p in results["passes"] for r in p.values()})
-    if set(systems) == set(SYSTEMS):
+    if {"baseline", "elastic"} <= set(systems):
         results["summary"] = summarize(results["passes"])
         text = render(results)
         print(text)
         if args.out:
             RESULTS.mkdir(parents=True, exist_ok=True)
+            results["provenance"] = _provenance()
             (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
             (RESULTS / f"{args.out}.md").write_text(text + "\n")
             print(f"wrote {RESULTS / args.out}.json and .md")

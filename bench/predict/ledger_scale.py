@@ -367,7 +367,11 @@ def main() -> None:
     print(text)
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "ledger_scale.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
+        sys.path.insert(0, str(REPO / "bench"))
+        import provenance
+
+        stored = {"meta": meta, "records": records, "provenance": provenance.stamp()}
+        (RESULTS / "ledger_scale.json").write_text(json.dumps(stored, indent=2) + "\n")
         durability = "; ".join(
             f"{r['backend']}: " + ", ".join(f"{k}={v}" for k, v in r["durability"].items())
             for r in {r["backend"]: r for r in records}.values()

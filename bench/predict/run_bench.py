@@ -51,7 +51,6 @@ LATENCY = [
     ("baseline_single", "baseline", {"multi": False}),
     *[(key, "baseline", {"multi": False, **kw}) for key, kw in LATENCY_ANCHORS["single"]],
     ("elastic_single", "elastic", {"multi": False}),
-    ("elastic_single_fetch_threads_1", "elastic", {"multi": False, "fetch_threads": 1}),
     ("elastic_single_fetch_threads_16", "elastic", {"multi": False, "fetch_threads": 16}),
     ("baseline_multi", "baseline", {"multi": True}),
     *[(key, "baseline", {"multi": True, **kw}) for key, kw in LATENCY_ANCHORS["multi"]],
@@ -254,6 +253,10 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     results["summary"] = summarize(results["passes"])
     results["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    sys.path.insert(0, str(HERE.parent))
+    import provenance
+
+    results["provenance"] = provenance.stamp()
     (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
     text = render(results)
     (RESULTS / "results.md").write_text(text + "\n")
