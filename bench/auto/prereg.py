@@ -36,6 +36,8 @@ RESULTS = ROOT / "bench" / "results" / "auto" / "preregistered"
 FIXED = [p[5:].upper() for p in PARO]
 """The 14 fixed strategies, by their letters."""
 TOLERANCE = 0.05
+UNLIMITED = 1 << 50
+"""The calibration run's "limit": the watcher only measures."""
 
 
 def registered() -> dict:
@@ -158,13 +160,13 @@ def run_setting(reg: Registered, args: argparse.Namespace, out_dir: Path, state:
         params = parameters(TINY if args.model_scale == "tiny" else spec["model"])
         budget = int(reg.budget_bytes_per_parameter * params)
         if "calibration_ggg" not in runs:
-            runs["calibration_ggg"] = one("paro_ggg", "calibration_ggg")
+            # no limit (one far above anything), so that the watcher measures with the baseline the limit uses
+            runs["calibration_ggg"] = one("paro_ggg", "calibration_ggg", memory_limit=UNLIMITED)
             save()
         cal = runs["calibration_ggg"]
         if "error" in cal:
             raise SystemExit(f"{reg.name}: the calibration run of GGG failed, so no limit can be set: {cal['error']}")
-        grown = max(p - q for p, q in zip(cal["train_peak_bytes_per_rank"], cal["process_start_bytes_per_rank"]))
-        allowance = grown - cal["model_state_bytes_max_rank"]
+        allowance = max(cal["resident_growth_bytes_per_rank"]) - cal["model_state_bytes_max_rank"]
         limit = budget + allowance
         data["memory"] = {"parameters": params, "budget_bytes": budget, "allowance_bytes": allowance,
                           "enforced_limit_bytes": limit}

@@ -129,9 +129,11 @@ def MixedFSDP2(world: int, group_size: Optional[int], **kwargs: Any) -> Any:  # 
 
         def setup(self, trainer: Any) -> None:
             original = fsdp.fully_shard
+            calls = []
 
             def with_policy(module: Any, **kw: Any) -> Any:
                 kw.setdefault("mp_policy", policy)
+                calls.append(module)
                 return original(module, **kw)
 
             fsdp.fully_shard = with_policy
@@ -139,6 +141,9 @@ def MixedFSDP2(world: int, group_size: Optional[int], **kwargs: Any) -> Any:  # 
                 super().setup(trainer)
             finally:
                 fsdp.fully_shard = original
+            if not calls:  # the anchor would run in fp32 and be reported as bf16
+                raise RuntimeError("FSDP2Strategy.setup no longer calls torch.distributed.fsdp.fully_shard at run"
+                                   " time, so the bf16 policy was not applied: pass the policy to it another way")
 
     return _MixedFSDP2(world, group_size=group_size, **kwargs)
 
@@ -174,7 +179,13 @@ EXCEEDED = "memory_limit_exceeded"
 EXCEEDED_EXIT = 75
 
 
-def enforce_memory_limit(limit: int, run_dir: Path, poll_s: float = 0.005) -> None:
+class Growth:
+    """The largest growth of this rank's resident set above its start that the watcher has seen."""
+
+    peak = 0
+
+
+def enforce_memory_limit(limit: int, run_dir: Path, poll_s: float = 0.005) -> Growth:
     """Stop the run when this rank's resident set grows more than ``limit`` bytes above what it is now (the process
     with its imports, before the model): a thread reads it every ``poll_s`` seconds; a rank that crosses the limit
     writes ``memory_limit_exceeded_rank<R>.json`` to ``run_dir`` and exits with status 75, and every other rank exits
@@ -188,13 +199,14 @@ def enforce_memory_limit(limit: int, run_dir: Path, poll_s: float = 0.005) -> No
         if old.name == f"{EXCEEDED}_rank{rank}.json":
             old.unlink(missing_ok=True)  # this rank's file from an earlier run in the same folder
 
+    growth = Growth()
+
     def watch() -> None:
         import time
 
-        peak = 0
         while True:
             grown = resident_bytes() - base
-            peak = max(peak, grown)
+            growth.peak = max(growth.peak, grown)
             if grown > limit:
                 (run_dir / f"{EXCEEDED}_rank{rank}.json").write_text(json.dumps(
                     {"rank": int(rank), "grown_bytes": grown, "limit_bytes": limit, "base_bytes": base}))
@@ -206,6 +218,7 @@ def enforce_memory_limit(limit: int, run_dir: Path, poll_s: float = 0.005) -> No
             time.sleep(poll_s)
 
     threading.Thread(target=watch, name="memory-limit", daemon=True).start()
+    return growth
 
 
 def _callbacks() -> tuple[type, type]:
@@ -216,8 +229,8 @@ def _callbacks() -> tuple[type, type]:
         """The emulated NICs' sent bytes over the timed steps: read when the warm-up steps are done and at the end;
         node-local rank 0 reads its node's NIC (one NIC per node) and rank 0 adds the sum per step to bench.json."""
 
-        def __init__(self, warmup: int, report: Path) -> None:
-            self.warmup, self.report = warmup, report
+        def __init__(self, warmup: int, report: Path, growth: Optional[Growth] = None) -> None:
+            self.warmup, self.report, self.growth = warmup, report, growth
             self.interface = os.environ.get("GLOO_SOCKET_IFNAME")
             self.start: Optional[int] = None
             self.start_step: Optional[int] = None
@@ -231,7 +244,9 @@ def _callbacks() -> tuple[type, type]:
 
             end = nic_tx_bytes(self.interface)
             reads = self.start is not None and end is not None and os.environ.get("LOCAL_RANK", "0") == "0"
-            row = torch.tensor([float(end - self.start) if reads else math.nan], dtype=torch.float64)
+            row = torch.tensor([float(end - self.start) if reads else math.nan,
+                                float(self.growth.peak) if self.growth is not None else math.nan],
+                               dtype=torch.float64)
             ranks = gather_rows(row, trainer.world_size)
             if not trainer.is_global_zero or not self.report.exists():
                 return
@@ -241,6 +256,8 @@ def _callbacks() -> tuple[type, type]:
             result["nic_inter_bytes_per_step"] = round(sum(sent) / steps) if sent and steps > 0 else None
             """Bytes every node's NIC sent (summed over the nodes) per timed optimizer step."""
             result["nic_nodes_read"] = len(sent)
+            if self.growth is not None:  # the watcher's reading, the same baseline as its limit
+                result["resident_growth_bytes_per_rank"] = [int(v) for v in ranks[:, 1]]
             self.report.write_text(json.dumps(result, indent=2))
 
     class HeldOutCurve(L.Callback):
@@ -281,7 +298,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="validate on the held-out data every K optimizer steps and write curve.json to run.dir")
     ap.add_argument("--curve-batches", type=int, default=8, help="held-out batches per evaluation")
     ap.add_argument("--memory-limit", type=int, default=0, metavar="BYTES",
-                    help="stop the run when a rank's resident set grows more than this above its start")
+                    help="stop the run when a rank's resident set grows more than this above its start (after the"
+                         " imports, before the model); the growth seen is reported either way")
     ap.add_argument("overrides", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
@@ -296,8 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     compat.check_private_apis()
     if cfg.bench.memory:
         fix_mmap_threshold()  # before anything large is allocated, as the bench command does
-    if args.memory_limit:
-        enforce_memory_limit(args.memory_limit, Path(cfg.run.dir))
+    growth = enforce_memory_limit(args.memory_limit, Path(cfg.run.dir)) if args.memory_limit else None
     total = cfg.bench.warmup_steps + cfg.bench.steps
     model = build_model(cfg)
     data = build_data(cfg)
@@ -316,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer_kw = {"val_check_interval": args.curve * accumulation, "check_val_every_n_epoch": None,
                       "limit_val_batches": args.curve_batches, "num_sanity_val_steps": 0}
     else:
-        callbacks += [StepTimer(cfg, losses, memory), NicWindow(cfg.bench.warmup_steps, run_dir / BENCH_FILE)]
+        callbacks += [StepTimer(cfg, losses, memory), NicWindow(cfg.bench.warmup_steps, run_dir / BENCH_FILE, growth)]
     if args.anchor != "none":
         trainer_kw["strategy"] = build_anchor(args.anchor, cfg, total)
     trainer = build_trainer(cfg, callbacks=callbacks, user_callbacks=False, loggers=False, max_steps=total,
