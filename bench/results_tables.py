@@ -11,9 +11,11 @@ equals its renderer's output from the files as stored, and that every results fi
 date, machine: ``bench/provenance.py``).
 
 Adding a renderer (e.g. for the predict benchmark): write a function of no arguments returning markdown from the
-files under ``bench/results/`` and register it with ``@renderer("NAME", sources=("predict/*.json",))``, in this file
-or in a module listed in ``RENDERER_MODULES`` (imported on first use, so the benchmark's own directory can hold
-it); then put the two markers in the doc and run ``python -m bench.regenerate --render-only``.
+files under ``bench/results/`` and register it with ``@renderer("NAME", sources=("predict/*.json",))``
+(``from bench.results_tables import renderer``), in this file or in a module listed in ``RENDERER_MODULES`` (e.g.
+``"bench.predict.tables"``, imported on first use, so the benchmark's own directory can hold it); then put the two
+markers in the doc and run ``python -m bench.regenerate --render-only``. The files a renderer's ``sources`` name are
+checked for provenance by the test.
 
 Usage: ``python bench/results_tables.py [--check]`` (``--check``: list the blocks that differ, exit 1 if any).
 """
@@ -30,6 +32,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+# one module, whether imported as ``bench.results_tables`` (a renderer module of another area) or as
+# ``results_tables`` (with bench/ on the path): the registry must be the same dict
+sys.modules.setdefault("results_tables", sys.modules[__name__])
+sys.modules.setdefault("bench.results_tables", sys.modules[__name__])
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -154,3 +154,25 @@ def test_accuracy_table_renders_a_stored_file(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setattr(rt, "RESULTS", tmp_path)
     text = rt.render("accuracy")
     assert "| int8 | 2 | 3.1500 | 0.0707 | +0.0500 | 0.0707 | 0.0500 |" in text and "abcdef0" in text
+
+
+def test_compression_table_places_each_option_beside_the_anchors_of_its_precision(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import results_tables as rt
+
+    row = lambda system, tps, nic: {"system": system, "tokens_per_s": tps, "final_loss": 3.9,  # noqa: E731
+                                    "nic_inter_bytes_per_step": nic}
+    data = {"setting": "2x2-100m-a4", "nodes": 2, "ranks_per_node": 2, "mbit": 100, "accumulation": 4,
+            "timed_steps": 2, "provenance": {"commit": "1234567abc", "date": "d", "machine": "m"},
+            "rows": [row("ddp", 150.0, 80e6), row("ddp_bf16hook", 250.0, 40e6), row("fsdp2_bf16", 100.0, 90e6),
+                     row("paro_nig~bf16", 275.0, 20e6), {"system": "ddp_powersgd", "error": "x"},
+                     row("paro_nig~bf16+int8", 300.0, 10e6)]}
+    (tmp_path / "train" / "compression").mkdir(parents=True)
+    (tmp_path / "train" / "compression" / "2x2-100m-a4.json").write_text(json.dumps(data))
+    monkeypatch.setattr(rt, "RESULTS", tmp_path)
+    text = rt.render("compression")
+    assert "| bf16 | paro_nig~bf16 | 275.0 | 1.10x | 20.00 | 3.9000 | 1 |" in text  # over the bf16-hooked DDP
+    assert "| fp32 | ddp | 150.0 | 1.00x | 80.00 |" in text
+    assert "| lossy (low-rank or int8 between groups) | ddp_powersgd | failed |" in text
+    assert "**4x2-1g-a4**: not measured." in text and "1234567" in text
