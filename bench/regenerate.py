@@ -64,8 +64,8 @@ def _train(*args: str) -> tuple[str, ...]:
 
 step("train",
      _train("--set", "sweep", "--fresh", "--more", "3"),
-     (PY, "bench/train/report.py"), (PY, "bench/train/plot.py"),
-     results=("train/2x2-*.json", "train/4x2-*.json"), root=True)
+     (PY, "bench/train/report.py"), (PY, "bench/train/validate.py"), (PY, "bench/train/plot.py"),
+     results=("train/2x2-*.json", "train/4x2-*.json", "train/cost_model.json"), root=True)
 step("memory", (PY, "bench/train/memory.py", "--runs", "3"), results=("train/memory.json",), root=True)
 step("compression",
      _train("--set", "compression", "--fresh", "--more", "3"),
