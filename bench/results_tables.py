@@ -292,7 +292,7 @@ def collectives_all() -> str:
 @renderer("compression", sources=("train/compression/*.json",))
 def compression() -> str:
     _train_modules()
-    from run import COMPRESSION_SETTINGS, PRECISION
+    from run import COMPRESSION_SETTINGS, POWERSGD_WARMUP, PRECISION
 
     files = [RESULTS / "train" / "compression" / f"{n}.json" for n in COMPRESSION_SETTINGS]
     if not any(p.exists() for p in files):
@@ -308,7 +308,7 @@ def compression() -> str:
         datas.append(data)
         rows = {r["system"]: r for r in data["rows"] if "error" not in r}
         out += [f"**{name}** ({data['nodes']} nodes x {data['ranks_per_node']} ranks, {data['mbit']} Mbit/s per node,"
-                f" A = {data['accumulation']}, {data['timed_steps']} timed steps)", "",
+                f" A = {data['accumulation']}, {POWERSGD_WARMUP} warm-up and {data['timed_steps']} timed steps)", "",
                 "| precision | system | tokens/s | vs the best anchor of its precision | between groups MB/step"
                 " (NIC, all nodes) | final loss | runs |", "|---|---|---|---|---|---|---|"]
         for precision, systems in PRECISION.items():

@@ -17,8 +17,8 @@ uncounted run of auto stores the links first.
 
 ``--set compression`` runs PaRO's communication options beside the anchors' own (``COMPRESSION_SETTINGS``: 2x2 and
 4x2, 100 Mbit/s and 1 Gbit/s, A = 1 and 4; ``COMPRESSION_SYSTEMS``), every system through ``anchors.py``'s worker so
-that each row's bytes between groups per step are the NIC counters over its timed steps; results in
-``bench/results/train/compression/``.
+that each row's bytes between groups per step are the NIC counters over its timed steps, and with 2 warm-up steps
+for every system (PowerSGD all-reduces plainly for its first 2); results in ``bench/results/train/compression/``.
 
 ``--set choice`` runs the settings ``sharding="auto"`` is scored on (``CHOICE_SETTINGS``: auto beside the strategies
 that contend there) and the re-planning check, with results in ``bench/results/train/choice/``; ``--fresh`` drops
@@ -120,6 +120,9 @@ PRECISION = {
 }
 """The compression table's blocks: each PaRO option beside the anchors of the same precision."""
 COMPRESSION_SYSTEMS = [system for block in PRECISION.values() for system in block]
+POWERSGD_WARMUP = 2
+"""Warm-up steps of every run of the compression set (and of PowerSGD anywhere): PowerSGD all-reduces plainly for
+its first 2 steps, and the same warm-up for every row keeps their steps, data and final losses alike."""
 COMPRESSION_RESULTS = RESULTS / "compression"
 
 SWEEP_CONTENDERS = {
@@ -190,21 +193,25 @@ LINK_CACHE = WORK / "link-cache"
 emulated hosts differ in link rate, which a job's cache key cannot see (a real cluster's links keep their rate)."""
 MODEL = ["model.dim=384", "model.layers=6", "model.heads=6", "model.seq_len=64", "data.batch_size=1"]
 """About 10.7M parameters: at 100 Mbit/s one full fp32 gradient all-reduce takes seconds, far above compute."""
+TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32", "data.batch_size=1"]
+"""``--tiny``: a GPT of about 30k parameters, for checking the harness."""
 
 
 def command(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), worker: bool = False,
-            timeout: int = 1200, memory_limit: int = 0) -> list[str]:
+            timeout: int = 1200, memory_limit: int = 0, warmup: Optional[int] = None) -> list[str]:
     """The command line of one run of ``system`` in setting ``s`` (see :func:`run_one`)."""
     system, _, variant = system.partition("~")
     if variant not in VARIANTS:
         raise SystemExit(f"no communication variant {variant!r}: the variants are {', '.join(v for v in VARIANTS if v)}")
     extra = (*VARIANTS[variant], *extra)
-    warmup = 1
+    if warmup is None:
+        # torch's PowerSGD all-reduces plainly before start_powerSGD_iter (2 here): its timed steps must compress
+        warmup = POWERSGD_WARMUP if system == "ddp_powersgd" else 1
+    if warmup < POWERSGD_WARMUP and system == "ddp_powersgd":
+        raise SystemExit(f"ddp_powersgd needs {POWERSGD_WARMUP} warm-up steps (plain all-reduce before them)")
     if system in ANCHORS:
         worker = True
         strategy = ["strategy=" + ("ddp" if system.startswith("ddp") else "fsdp2")]
-        if system == "ddp_powersgd":
-            warmup = 2  # torch's PowerSGD all-reduces plainly before start_powerSGD_iter (2 here): timed steps compress
     elif system.split("@")[0] == "paro":  # paro@NGG: auto started on NGG (AutoConfig.first_plan)
         strategy = ["strategy=paro", "strategy.sharding=auto"]
         if "@" in system:
@@ -230,13 +237,14 @@ def command(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), wor
 
 
 def run_one(system: str, s: Setting, out: Path, extra: tuple[str, ...] = (), cwd: Path = ROOT, worker: bool = False,
-            model: Optional[list[str]] = None, timeout: int = 1200, memory_limit: int = 0) -> dict:
+            model: Optional[list[str]] = None, timeout: int = 1200, memory_limit: int = 0,
+            warmup: Optional[int] = None) -> dict:
     """One run of ``system`` in setting ``s``; ``extra``: more overrides (e.g. the strategy's communication dtypes);
     ``cwd``: the tree whose package runs (``python -m`` finds the working directory's first); ``worker``: through
     ``anchors.py``'s worker (anchors always are), which adds the NIC bytes of the timed steps; ``model``: overrides
     in place of ``MODEL`` (a tiny model for tests); ``memory_limit``: bytes a rank's resident set may grow above its
     start (``anchors.py``'s enforced limit; a run that crosses it returns ``memory_limit_exceeded``)."""
-    cmd = command(system, s, out, extra, worker, timeout, memory_limit)
+    cmd = command(system, s, out, extra, worker, timeout, memory_limit, warmup)
     if model is not None:
         first = cmd.index(MODEL[0])
         cmd[first:first + len(MODEL)] = model
@@ -289,10 +297,16 @@ def main() -> None:
                     help="drop the listed systems' stored runs first (runs of older code must not join a median)")
     ap.add_argument("--more", type=int, default=0, metavar="N",
                     help="add N runs of each listed system, pass by pass; rows become the median run")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny GPT and 2 timed steps, to check the harness (needs --out outside bench/results)")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default: the set's own)")
     args = ap.parse_args()
     settings, results = {"sweep": (SETTINGS, RESULTS), "choice": ({**CHOICE_SETTINGS, **REPLAN_SETTINGS}, CHOICE_RESULTS),
                          "run": (RUN_SETTINGS, RUN_RESULTS),
                          "compression": (COMPRESSION_SETTINGS, COMPRESSION_RESULTS)}[args.set]
+    if args.tiny and (args.out is None or RESULTS in args.out.resolve().parents or args.out.resolve() == RESULTS):
+        sys.exit("--tiny checks the harness: give --out a folder outside bench/results")
+    results = args.out or results
     results.mkdir(parents=True, exist_ok=True)
     for name in (args.settings.split(",") if args.settings else list(settings)):
         if name not in settings:
@@ -319,8 +333,10 @@ def main() -> None:
         for system in listed * max(1, args.more):  # --more: pass after pass over the systems
             if system in rows and not (args.redo or args.more):
                 continue
-            row = run_one(system, s, work / system.replace("~", "-").replace("+", "-"),
-                          worker=args.set == "compression")
+            row = run_one(system, dataclasses.replace(s, timed_steps=2) if args.tiny else s,
+                          work / system.replace("~", "-").replace("+", "-"), worker=args.set == "compression",
+                          model=TINY if args.tiny else None,
+                          warmup=POWERSGD_WARMUP if args.set == "compression" else None)
             rows[system] = with_run(rows.get(system), row) if args.more else row
             print(name, json.dumps({k: row.get(k) for k in ("system", "tokens_per_s", "final_loss", "error",
                                                            "auto_choice")}), flush=True)

@@ -118,6 +118,9 @@ def test_anchor_commands() -> None:
     assert "--anchor" in cmd and cmd[cmd.index("--anchor") + 1] == "ddp_powersgd" and "bench.warmup_steps=2" in cmd
     cmd = run.command("hsdp_bf16", s, Path("/tmp/x"))
     assert "strategy=fsdp2" in cmd and "bench.warmup_steps=1" in cmd
+    assert "bench.warmup_steps=2" in run.command("ddp", s, Path("/tmp/x"), warmup=run.POWERSGD_WARMUP)
+    with pytest.raises(SystemExit, match="needs 2 warm-up steps"):
+        run.command("ddp_powersgd", s, Path("/tmp/x"), warmup=1)
     cmd = run.command("paro_nig~bf16+int8", s, Path("/tmp/x"), worker=True)
     assert cmd[cmd.index("--anchor") + 1] == "none"
     assert {"strategy=paro_nig", "strategy.param_dtype=bf16", "strategy.inter_quant=int8"} <= set(cmd)
