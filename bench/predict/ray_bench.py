@@ -134,14 +134,17 @@ def main() -> None:
     import ray
 
     out = Path(args.out)
-    # logical CPUs: the fetch actors mostly wait on the network, so they get half a CPU each and each model actor a
-    # whole one; 4 logical CPUs leave room for Ray Data's read tasks on the 2 real cores
-    init_start = time.perf_counter()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    init_s = time.perf_counter() - init_start
     settings = [dict(batch_size=b, fetch_actors=f, model_actors=m)
                 for b, f, m in itertools.product(BATCH_SIZES, FETCH_ACTORS, MODEL_ACTORS)]
+    # logical CPUs, an admission count only (the machine has what it has): the fetch actors mostly wait on the
+    # network, so they ask for half a CPU each, each model actor for a whole one, and one more is left for Ray Data's
+    # read and write tasks; enough for the largest setting of the grid, or its actors would wait for each other
+    stages = 2 if args.multi else 1
+    num_cpus = max(int(0.5 * s["fetch_actors"] + 0.999) + stages * s["model_actors"] + 1 for s in settings)
+    init_start = time.perf_counter()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    init_s = time.perf_counter() - init_start
     if args.kill_after is not None:
         settings = settings[:1]
     results, killed = [], []
@@ -164,8 +167,8 @@ def main() -> None:
         print(f"  {json.dumps(result)}", file=sys.stderr, flush=True)
     ray.shutdown()
     best = max(results, key=lambda r: r["rows_per_s"])
-    summary = {**best, "ray_init_s": init_s, "settings": results, "fetch_threads": FETCH_THREADS,
-               "killed_actor": killed[0] if killed else None}
+    summary = {**best, "ray_init_s": init_s, "ray_num_cpus": num_cpus, "settings": results,
+               "fetch_threads": FETCH_THREADS, "killed_actor": killed[0] if killed else None}
     print("RESULT " + json.dumps(summary), flush=True)
 
 
