@@ -640,7 +640,8 @@ def render(results: dict) -> str:
          f"{s['batch_size']}; Lightning systems: {s['loader_workers']} DataLoader workers; Ray: defaults "
          f"(local, {results.get('ray_cpus')} CPUs). Machine: {m['cpus']} CPUs, no GPU, shared with other jobs "
          f"(1-minute load average {m['load_1min_start']} at the start, {m['load_1min_end']} at the end). "
-         f"Passes: {s['repeats']}, the systems interleaved in a rotating order. Finished {results['finished_at']}."),
+         f"Passes: {s['repeats']}, the systems interleaved in a rotating order. Finished {results['finished_at']}"
+         + (f", commit {results['provenance']['commit'][:7]}" if results.get("provenance") else "") + "."),
         "",
         ("| system | rows/s (median) | rows/s, each run | vs ElasticPredict (median of per-pass ratios) | "
          "peak PSS MiB, whole job (median) | peak RSS MiB, whole job (median) | CPU s, main process during the "
@@ -780,6 +781,10 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    sys.path.insert(0, str(HERE.parent))
+    import provenance
+
+    results["provenance"] = provenance.stamp()
     (results_dir / "sources.json").write_text(json.dumps(results, indent=1))
     (results_dir / "sources.md").write_text(render(results) + "\n")
     print(render(results))
