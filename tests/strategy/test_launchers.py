@@ -28,14 +28,15 @@ def _results(out, mode, world):
     return [json.loads((out / f"{mode}.{r}.json").read_text()) for r in range(world)]
 
 
-def _check(results, world, group_size, sharding):
+def _check(results, world, group_size, sharding, evaluated=True):
     for r, res in enumerate(results):
         assert (res["world"], res["group_size"], res["sharding"]) == (world, group_size, sharding)
         assert res["num_groups"] == world // group_size
         assert len(res["losses"]) == 3 and res["steps_logged"] == 3
-        assert res["val_batches"] == res["test_batches"] == 2 + r  # uneven across ranks
+        if evaluated:
+            assert res["val_batches"] == res["test_batches"] == 2 + r  # uneven across ranks
+            assert 0.0 <= res["val_acc"] <= 1.0
         assert res["predict_batches"] == 1 + r
-        assert 0.0 <= res["val_acc"] <= 1.0
     # replicas end identical
     assert len({round(res["checksum"], 6) for res in results}) == 1
 
@@ -54,8 +55,10 @@ def test_subprocess_launcher(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_spawn(tmp_path):
+    """Fit, then predict in new workers with the module the parent recovered from fit's (each spawned stage imports
+    torch and Lightning anew, so validate and test, which take predict's path, are checked under the other modes)."""
     _run([([sys.executable, SCRIPT, "spawn", str(tmp_path)], _env(MASTER_PORT=str(free_port())))])
-    _check(_results(tmp_path, "spawn", 2), world=2, group_size=2, sharding="IGG")
+    _check(_results(tmp_path, "spawn", 2), world=2, group_size=2, sharding="IGG", evaluated=False)
 
 
 @pytest.mark.timeout(300)
