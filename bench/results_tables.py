@@ -296,7 +296,7 @@ def compression() -> str:
 
     files = [RESULTS / "train" / "compression" / f"{n}.json" for n in COMPRESSION_SETTINGS]
     if not any(p.exists() for p in files):
-        return _missing("PaRO's communication options beside the anchors' (point 1)",
+        return _missing("PaRO's communication options beside the anchors'",
                         "python -m bench.regenerate --only compression")
     out = []
     datas = []
@@ -337,7 +337,7 @@ def compression() -> str:
 def accuracy() -> str:
     path = RESULTS / "train" / "accuracy.json"
     if not path.exists():
-        return _missing("accuracy across seeds (point 2)", "python -m bench.regenerate --only accuracy")
+        return _missing("accuracy across seeds", "python -m bench.regenerate --only accuracy")
     data = _load(path)
     s = data["settings"]
     fmt = lambda v, f="{:.4f}": "" if v is None else f.format(v)  # noqa: E731
