@@ -24,6 +24,7 @@ hand-written is what Hydra does not do: the command word, the checks of the comp
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import hydra
 from hydra._internal.utils import get_args_parser
 
 from lightning_paro.cli.checks import check_launch_environment
@@ -83,10 +85,22 @@ def _refuse(message: str) -> None:
     raise ConfigError(next((g for g in named.groups() if g), "") if named else "", f"{message}; {USAGE}")
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning-paro")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "(not installed)"
+
+
 def parse_args(argv: Sequence[str]) -> Invocation:
     """Hydra's argument parser over the command line; the first word that is no override is the command."""
     parser = get_args_parser()
     parser.prog, parser.error = PROG, _refuse  # one line naming the flag instead of argparse's usage and exit
+    for action in parser._actions:  # --version names this package (Hydra's parser names Hydra)
+        if isinstance(action, argparse._VersionAction):
+            action.version = f"{PROG} {_package_version()} (Hydra {hydra.__version__})"
     args = parser.parse_intermixed_args(list(argv))
     if sum(a in ("--config-dir", "-cd") or a.startswith(("--config-dir=", "-cd=")) for a in argv) > 1:
         raise ConfigError("--config-dir", "give it once (Hydra's parser keeps the last); add more directories with"

@@ -517,3 +517,11 @@ def test_the_config_reference_tables_are_generated_from_the_dataclasses():
     assert all(f"<!-- keys: {name} -->" in doc for name in TABLES)
     assert "| `strategy.prefetch` | `1` | Units gathered ahead" in table("strategy/paro")
     assert render(doc) == doc, "docs/config.md's tables differ: python -m lightning_paro.cli.reference docs/config.md"
+
+
+def test_version_names_the_package_and_the_hydra_it_runs_on(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--version"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lightning-paro ") and "(Hydra 1." in out
