@@ -19,17 +19,24 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """One launch for both checks: the engine's values, then the Trainers (which reuse the process group)."""
+    out = tmp_path_factory.mktemp("deferred")
+    launch("deferred_init.py", 4, "values,trainer", str(out), timeout=600)
+    return out
+
+
 def _results(out: Path, mode: str) -> list[dict]:
     return [json.loads((out / f"{mode}.{r}.json").read_text()) for r in range(4)]
 
 
-def test_meta_build_equals_cpu_build(tmp_path):
+def test_meta_build_equals_cpu_build(runs):
     """A GPT, a model with tied weights and BatchNorm buffers, and a Hugging Face Llama (untied and tied) built on the
     meta device and sharded by the engine hold, on every rank, exactly the values of the same model built on CPU from
     rank 0's seed; every rank holds a quarter of the parameters; ties survive; the process's generator is left as it
     was."""
-    launch("deferred_init.py", 4, "values", str(tmp_path), timeout=400)
-    for rank, result in enumerate(_results(tmp_path, "values")):
+    for rank, result in enumerate(_results(runs, "values")):
         assert set(result) == {"gpt", "tied", "llama", "llama_tied"}
         for name, r in result.items():
             assert all(r["equal"]) and len(r["equal"]) == len(r["names"]), (rank, name, r["names"])
@@ -41,13 +48,12 @@ def test_meta_build_equals_cpu_build(tmp_path):
         assert any("running_mean" in n for n in result["tied"]["names"])
 
 
-def test_meta_built_model_trains_saves_resumes_and_loads_pretrained(tmp_path):
+def test_meta_built_model_trains_saves_resumes_and_loads_pretrained(runs):
     """The GPT built in ``configure_model`` on the meta device trains to the same losses as the one built on CPU,
     validates, saves and resumes to the losses of the CPU-built model resumed the same way; filled from a safetensors
     file or a torch file at set-up (``init_from_pretrained``) or after it (``load_pretrained``) it holds the file's
     values, each rank a quarter of them."""
-    launch("deferred_init.py", 4, "trainer", str(tmp_path), timeout=600)
-    for r in _results(tmp_path, "trainer"):
+    for r in _results(runs, "trainer"):
         assert len(r["cpu_losses"]) == 4
         assert r["meta_losses"] == r["cpu_losses"][:2]
         # resumed, it continues as the CPU-built model resumed from its own checkpoint does

@@ -1,8 +1,9 @@
 """Deferred initialisation and sharded loading on 4 processes (GGG, 2 groups of 2).
 
-``values OUT``: each model built on CPU and on the meta device from the same seed; the meta one sharded by the
+Usage: deferred_init.py MODES OUT, MODES a comma-separated list of the parts below, run in order in one launch.
+``values``: each model built on CPU and on the meta device from the same seed; the meta one sharded by the
 engine; every rank checks the gathered values equal the CPU build's and that it holds only its shards.
-``trainer OUT``: the GPT built in ``configure_model`` on CPU and on the meta device trains to the same losses; the meta
+``trainer``: the GPT built in ``configure_model`` on CPU and on the meta device trains to the same losses; the meta
 one saves, validates and resumes; a fine-tuning run fills it from a safetensors file and a torch file."""
 
 import json
@@ -24,12 +25,14 @@ from lightning_paro.strategy.engine import PaROEngine  # noqa: E402
 from lightning_paro.strategy.levels import ShardingSpec  # noqa: E402
 from lightning_paro.strategy.loading import load_pretrained  # noqa: E402
 
-mode, out = sys.argv[1], Path(sys.argv[2])
+modes, out = sys.argv[1].split(","), Path(sys.argv[2])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-result: dict = {}
 
-if mode == "values":
-    torch.distributed.init_process_group("gloo")
+
+def values() -> dict:
+    result: dict = {}
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
     comm = Communicator(Topology(world_size=world, group_size=2, rank=rank), device=torch.device("cpu"))
     makers = {"gpt": lambda: GPTNet(vocab=40, dim=16, heads=2, layers=3, seq_len=8), "tied": TiedNorms,
               "llama": lambda: llama(False), "llama_tied": lambda: llama(True)}
@@ -64,7 +67,12 @@ if mode == "values":
             "buffers_on_cpu": all(b.device.type == "cpu" for b in meta.buffers()),
         }
         engine.restore_module()
-else:
+    return result
+
+
+def trainer_checks() -> dict:
+    result: dict = {}
+
     def data(n: int) -> DataLoader:
         g = torch.Generator().manual_seed(0)
         return DataLoader(TensorDataset(torch.randint(0, 40, (n, 9), generator=g)), batch_size=2)
@@ -131,5 +139,8 @@ else:
     expected = torch.load(out / "pre.pt", weights_only=True)
     result["load_pretrained"] = all(torch.equal(late.loaded[f"net.{k}"], v) for k, v in expected.items())
     result["full_param_bytes"] = sum(v.numel() * v.element_size() for k, v in expected.items())
+    return result
 
-(out / f"{mode}.{rank}.json").write_text(json.dumps(result))
+
+for mode in modes:
+    (out / f"{mode}.{rank}.json").write_text(json.dumps({"values": values, "trainer": trainer_checks}[mode]()))
