@@ -13,7 +13,7 @@ from lightning_paro import compat
 def test_every_private_api_is_present_in_the_installed_versions():
     assert compat.missing_private_apis() == []
     compat.check_private_apis()
-    assert {api.area for api in compat.PRIVATE_APIS} == {"predict", "strategy", "checkpoint"}
+    assert {api.area for api in compat.PRIVATE_APIS} == {"predict", "strategy", "checkpoint", "cli"}
 
 
 def test_a_missing_api_fails_naming_it_its_user_and_the_versions(monkeypatch):

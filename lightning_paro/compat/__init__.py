@@ -2,7 +2,7 @@
 
 Code elsewhere calls these names (as ``compat.NAME``, so a test can patch them) and never tests versions itself.
 
-The package also relies on a few private (underscore) or undocumented APIs of torch and Lightning, which a release
+The package also relies on a few private (underscore) or undocumented APIs of torch, Lightning and Hydra, which a release
 may rename without notice. They are listed in :data:`PRIVATE_APIS`, each with a probe; :func:`check_private_apis`
 fails with one message naming every one the installed versions lack, where the package uses it, and the versions
 it was tested with. ``python -m lightning_paro.compat`` prints the table (``__main__.py``: a package, so that running
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-TESTED_VERSIONS = {"torch": "2.13", "lightning": "2.6"}
+TESTED_VERSIONS = {"torch": "2.13", "lightning": "2.6", "hydra-core": "1.3"}
 """The releases the test suite runs on (pyproject.toml's lower bounds)."""
 
 
@@ -137,8 +137,18 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "comm/group_cache.py default_timeout: the groups the package creates take the default group's timeout"
                " (torch would give them 30 minutes); without it they fall back to torch's default",
                _attr("torch.distributed", "ProcessGroup", "_get_backend")),
+    PrivateAPI("hydra._internal.utils.get_args_parser", "cli",
+               "cli/main.py: the command line is read by the parser @hydra.main uses (flags, -m, --cfg, -sc)",
+               _attr("hydra._internal.utils", "get_args_parser")),
+    PrivateAPI("hydra._internal.hydra.Hydra and hydra._internal.utils.create_config_search_path", "cli",
+               "cli/main.py: shell completion over the package's config tree and the user's directories",
+               lambda: _attr("hydra._internal.hydra", "Hydra")() and _attr("hydra._internal.utils",
+                                                                          "create_config_search_path")()),
+    PrivateAPI("hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments", "cli",
+               "cli/sweep.py: a sweep's jobs are the combinations Hydra's basic sweeper makes of -m's overrides",
+               _attr("hydra._internal.core_plugins.basic_sweeper", "BasicSweeper", "split_arguments")),
 )
-"""Every private or undocumented torch and Lightning API the package uses."""
+"""Every private or undocumented torch, Lightning and Hydra API the package uses."""
 
 
 def missing_private_apis(areas: Optional[Sequence[str]] = None) -> list[PrivateAPI]:
@@ -157,9 +167,10 @@ def missing_private_apis(areas: Optional[Sequence[str]] = None) -> list[PrivateA
 
 
 def installed_versions() -> dict[str, str]:
+    import hydra
     import lightning
 
-    return {"torch": torch.__version__, "lightning": lightning.__version__}
+    return {"torch": torch.__version__, "lightning": lightning.__version__, "hydra-core": hydra.__version__}
 
 
 def check_private_apis(areas: Optional[Sequence[str]] = None) -> None:
@@ -169,9 +180,10 @@ def check_private_apis(areas: Optional[Sequence[str]] = None) -> None:
         return
     versions = installed_versions()
     listed = "; ".join(f"{api.name} (used by {api.used_by})" for api in missing)
+    installed = ", ".join(f"{k} {v}" for k, v in versions.items())
     tested = ", ".join(f"{k} {v}" for k, v in TESTED_VERSIONS.items())
     raise IncompatibleVersionError(
-        f"torch {versions['torch']} with lightning {versions['lightning']} lacks what lightning-paro relies on: {listed}."
+        f"{installed} lack what lightning-paro relies on: {listed}."
         f" Install the versions pyproject.toml asks for (tested with {tested})."
     )
 
