@@ -375,22 +375,9 @@ def auto_paper_scale() -> str:
     data = _load(path)
     rows = data["rows"] if isinstance(data, dict) else data
     _train_modules()
-    from lightning_paro.strategy.levels import KNOWN_AS
+    from paper_scale import paper_scale_markdown
 
-    bws = sorted({float(k.split("@")[1]) for r in rows for k in r if k.startswith("tokens_per_s@")})
-    out = []
-    for setting in dict.fromkeys(r["setting"] for r in rows):
-        out.append(f"**{setting}** (8 per node; predicted tokens/s per GPU at the given network bandwidth per node)\n")
-        head = ["strategy", "known as", "model states GB", "total GB", "fits"] + [f"{bw:g} Gbit/s" for bw in bws]
-        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in (r for r in rows if r["setting"] == setting):
-            cells = [r["strategy"], KNOWN_AS.get(r["strategy"], ""), f"{r['states_gb']:.1f}", f"{r['total_gb']:.1f}",
-                     "yes" if r["fits"] else "no"]
-            for bw in bws:
-                text = f"{r[f'tokens_per_s@{bw:g}']:,.0f}"
-                cells.append(f"**{text}**" if r[f"chosen@{bw:g}"] else text)
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
+    out = [paper_scale_markdown(rows)]
     out.append(f"Predicted (no run) at commit: {_commits([data] if isinstance(data, dict) else [])}.")
     return "\n".join(out)
 

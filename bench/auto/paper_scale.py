@@ -90,20 +90,19 @@ def paper_scale_rows(inter_node_gbps: tuple[float, ...] = PAPER_INTER_NODE_GBPS)
     return rows
 
 
-def paper_scale_markdown(inter_node_gbps: tuple[float, ...] = PAPER_INTER_NODE_GBPS) -> str:
-    """The paper-scale tables as markdown: one per setting, the chosen strategy in bold at each bandwidth."""
-    rows = paper_scale_rows(inter_node_gbps)
+def paper_scale_markdown(rows: list[dict]) -> str:
+    """The paper-scale tables as markdown: one per setting, the chosen strategy in bold at each bandwidth (the one
+    rendering of them: bench/results_tables.py renders the stored rows with it)."""
+    bws = sorted({float(k.split("@")[1]) for r in rows for k in r if k.startswith("tokens_per_s@")})
     out = []
     for setting in dict.fromkeys(r["setting"] for r in rows):
         out.append(f"**{setting}** (8 per node; predicted tokens/s per GPU at the given network bandwidth per node)\n")
-        head = ["strategy", "known as", "model states GB", "total GB", "fits"] + [f"{bw:g} Gbit/s" for bw in
-                                                                                   inter_node_gbps]
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" * len(head))
+        head = ["strategy", "known as", "model states GB", "total GB", "fits"] + [f"{bw:g} Gbit/s" for bw in bws]
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in (r for r in rows if r["setting"] == setting):
             cells = [r["strategy"], KNOWN_AS.get(r["strategy"], ""), f"{r['states_gb']:.1f}", f"{r['total_gb']:.1f}",
                      "yes" if r["fits"] else "no"]
-            for bw in inter_node_gbps:
+            for bw in bws:
                 text = f"{r[f'tokens_per_s@{bw:g}']:,.0f}"
                 cells.append(f"**{text}**" if r[f"chosen@{bw:g}"] else text)
             out.append("| " + " | ".join(cells) + " |")
@@ -155,7 +154,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--plot", default=None, help="also save a figure to this file (matplotlib)")
     args = ap.parse_args()
-    print(paper_scale_markdown())
+    print(paper_scale_markdown(paper_scale_rows()))
     if args.json:
         import sys
 
