@@ -52,3 +52,22 @@ def world_of_one(monkeypatch):
         yield Communicator(Topology.from_process_group(), device=torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def auto_fits(tmp_path_factory):
+    """One launch of ``workers/auto_fits.py`` on two processes for the tests of ``sharding="auto"`` that need two:
+    its output (one text per rank) and a loader of ``SUB/NAME.RANK.json`` for both ranks (``load.dir``: the output
+    directory)."""
+    import json
+
+    from launch import launch
+
+    out = tmp_path_factory.mktemp("auto_fits")
+    logs = launch("auto_fits.py", 2, str(out), timeout=300)
+
+    def load(sub, name):
+        return [json.loads((out / sub / f"{name}.{r}.json").read_text()) for r in range(2)]
+
+    load.dir = out
+    return logs, load

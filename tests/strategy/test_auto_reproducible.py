@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import launch
 
 from lightning_paro.planner import AutoConfig
 from lightning_paro.strategy.auto_session import RECORD_FILE
@@ -14,17 +13,14 @@ from lightning_paro.strategy.options import OptionError
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("auto_record")
-    logs = launch("auto_record.py", 2, str(out), timeout=200)
-
-    def load(name):
-        return [json.loads((out / f"{name}.{r}.json").read_text()) for r in range(2)]
-
-    return logs, load
+def fits(auto_fits):
+    """``workers/auto_record.py``'s fits, run in the shared two-process launch (``workers/auto_fits.py``); only its
+    fit is deterministic there."""
+    logs, load = auto_fits
+    return logs, lambda name: load("auto_record", name)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_deterministic_auto_never_switches_on_timings_and_says_so(fits):
     logs, load = fits
     timed, kept = load("timed"), load("deterministic")
@@ -34,7 +30,7 @@ def test_deterministic_auto_never_switches_on_timings_and_says_so(fits):
     assert "reproducible (deterministic)" in logs[0] and "never switched on measured timings" in logs[0]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_the_run_records_the_chosen_strategy_and_every_figure_in_its_log_dir(fits):
     _, load = fits
     for name, reproducible in (("timed", False), ("deterministic", True)):

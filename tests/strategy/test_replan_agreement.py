@@ -4,13 +4,13 @@ left (and different step times) still take the same decisions, trial included, a
 import json
 
 import pytest
-from launch import launch
 
 
-@pytest.mark.timeout(120)
-def test_ranks_with_different_steps_left_take_rank_0s_decisions(tmp_path):
-    launch("replan_agree.py", 2, str(tmp_path), timeout=90)
-    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+@pytest.mark.timeout(360)
+def test_ranks_with_different_steps_left_take_rank_0s_decisions(auto_fits):
+    # workers/replan_agree.py, run last in the shared two-process launch (workers/auto_fits.py)
+    out = auto_fits[1].dir / "replan_agree"
+    ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["decisions"] == ranks[1]["decisions"]
     assert ranks[0]["step_seconds"] == ranks[1]["step_seconds"]
     # rank 0 has steps left for a trial (rank 1, alone, would have decided against one)

@@ -2,20 +2,18 @@
 from NNN to GGG is made where the ranks have the memory for it and declined, with the reason logged, where they do
 not (the peak holds NNN's states, the model gathered and GGG's states at once)."""
 
-import json
-
 import pytest
-from launch import launch
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("switch_peak")
-    logs = launch("switch_peak.py", 2, str(out), timeout=200)
-    return logs, lambda name: [json.loads((out / f"{name}.{r}.json").read_text()) for r in range(2)]
+def fits(auto_fits):
+    """``workers/switch_peak.py``'s fits, run in the shared two-process launch (``workers/auto_fits.py``); its
+    messages are the only ones there about NNN and GGG."""
+    logs, load = auto_fits
+    return logs, lambda name: load("switch_peak", name)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_a_switch_is_made_when_its_peak_fits_the_ranks_memory(fits):
     _, load = fits
     for r in load("fits"):
@@ -23,7 +21,7 @@ def test_a_switch_is_made_when_its_peak_fits_the_ranks_memory(fits):
         assert r["replans"][-1]["declined"] is None
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_a_switch_whose_peak_does_not_fit_is_declined_with_its_reason(fits):
     logs, load = fits
     for r in load("short"):

@@ -21,7 +21,8 @@ from lightning_paro.planner import AutoConfig, Cluster, Compute, Link, Workload,
 from lightning_paro.planner.job import JobReplanner
 
 out = Path(sys.argv[1])
-dist.init_process_group("gloo")
+if not dist.is_initialized():  # run after Lightning fits in the same processes (auto_fits.py): their group
+    dist.init_process_group("gloo")
 rank = dist.get_rank()
 
 work = Workload(num_params=1e8, num_trainable=1e8, accumulation=1, num_units=8, param_bytes=4, grad_bytes=4,
