@@ -31,7 +31,7 @@ def numpy_to_arrow(values: np.ndarray) -> pa.Array:
     """A 1-D NumPy array as an Arrow array; numbers without a copy of their buffer.
 
     Numbers are wrapped as they are rather than passed through ``pa.array``, which imports pandas on its first call
-    (a quarter to half a second of CPU, in the writer thread beside the model)."""
+    (about 0.2 s of CPU, in the writer thread beside the model)."""
     if values.ndim == 1 and values.dtype.kind in _BUFFER_KINDS and values.dtype.itemsize in (1, 2, 4, 8):
         if not values.dtype.isnative:  # Arrow holds numbers in this machine's byte order
             values = values.astype(values.dtype.newbyteorder("="))

@@ -40,7 +40,7 @@ def test_other_arrays_still_go_through_pa_array():
 
 
 def test_the_writers_columns_do_not_import_pandas():
-    # pa.array imports pandas on its first call: a quarter to half a second of CPU beside the model, in every worker
+    # pa.array imports pandas on its first call: about 0.2 s of CPU beside the model, in every worker
     code = (
         "import sys, numpy as np, torch\n"
         "from lightning_paro.predict.columns import prediction_columns, numpy_to_arrow\n"
