@@ -20,6 +20,7 @@ import random
 import signal
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -111,7 +112,11 @@ def main() -> None:
               f"({', '.join(f'{w:.2f}' for w in waits)}); lease {config.lease_ttl_s:g} s, "
               f"heartbeat {config.heartbeat_every_s:g} s, poll {config.poll_interval_s:g} s", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from provenance import stamp
+
+        results["provenance"] = stamp()
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
