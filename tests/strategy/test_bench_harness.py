@@ -179,3 +179,20 @@ def test_compression_table_places_each_option_beside_the_anchors_of_its_precisio
     assert "| fp32 | ddp | 150.0 | 1.00x | 80.00 |" in text
     assert "| lossy (low-rank or int8 between groups) | ddp_powersgd | failed |" in text
     assert "**4x2-1g-a4**: not measured." in text and "1234567" in text
+
+
+def test_registered_table_scores_only_complete_settings(tmp_path: Path) -> None:
+    name = next(iter(prereg.registered()["settings"]))
+    fixed = {k: _row(100.0 + i, mem=1) for i, k in enumerate(prereg.FIXED)}
+    auto = {"in_use": "NNG", "plan_seconds": 0.0, "switches": []}
+    partial = {"setting": name, "runs": {"auto_cold": _row(100.0, auto=auto), "NNN": _row(100.0)}}
+    (tmp_path / f"{name}.json").write_text(json.dumps(partial))
+    text = prereg.table(tmp_path)
+    assert f"| {name} | incomplete: 1 of 14 fixed strategies run, auto cold run, auto warm not run |" in text
+    assert "No setting complete yet" in text and "Within 5%" not in text
+    full = {"setting": name, "runs": {**fixed, "auto_cold": _row(113.0, auto=auto), "auto_warm": _row(113.0, auto=auto)}}
+    (tmp_path / f"{name}.json").write_text(json.dumps(full))
+    text = prereg.table(tmp_path)
+    # best fixed: the last of FIXED (113 tokens/s); the rule's NNG: the third (102); auto paid in full: 113
+    assert "of 1 settings measured: auto on a cold cache (headline) 1" in text and "the rule 0" in text
+    assert f"cold cache {113 / 102:.2f}x" in text
