@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -207,7 +207,7 @@ def table(out_dir: Path = RESULTS) -> str:
              "|---|---|---|---|---|---|---|"]
     counts = {"auto_cold": 0, "auto_warm": 0, "rule": 0}
     over_rule: dict[str, list[float]] = {"auto_cold": [], "auto_warm": []}
-    measured = 0
+    measured = incomplete = 0
     commits = set()
     for name in reg["settings"]:
         path = out_dir / f"{name}.json"
@@ -216,12 +216,14 @@ def table(out_dir: Path = RESULTS) -> str:
             continue
         data = json.loads(path.read_text())
         commits.add(data.get("provenance", {}).get("commit", "?")[:7])
-        missing = [k for k in ("auto_cold", *FIXED, "auto_warm") if k not in data["runs"]]
-        if missing:  # a best or a rule over part of the 14 would mislead: said, not scored or counted
-            fixed_run = sum(k in data["runs"] for k in FIXED)
+        runs = data["runs"]
+        fixed_run = sum(k in runs for k in FIXED)
+        if fixed_run < len(FIXED) or "auto_cold" not in runs or "auto_warm" not in runs:
+            # a best or a rule over part of the 14 would mislead: said, not scored or counted
+            incomplete += 1
+            ran = {k: "run" if k in runs else "not run" for k in ("auto_cold", "auto_warm")}
             lines.append(f"| {name} | incomplete: {fixed_run} of {len(FIXED)} fixed strategies run, auto cold"
-                         f" {'run' if 'auto_cold' in data['runs'] else 'not run'}, auto warm"
-                         f" {'run' if 'auto_warm' in data['runs'] else 'not run'} | | | | | |")
+                         f" {ran['auto_cold']}, auto warm {ran['auto_warm']} | | | | | |")
             continue
         sc = score(data)
         measured += 1
@@ -247,7 +249,7 @@ def table(out_dir: Path = RESULTS) -> str:
                       f" pick's, geometric mean over those settings): cold cache {_gmean(over_rule['auto_cold'])},"
                       f" warm cache {_gmean(over_rule['auto_warm'])}. Measured at commits:"
                       f" {', '.join(sorted(commits))}."]
-    elif len(lines) > 2 and any("incomplete" in line for line in lines):
+    elif incomplete:
         lines += ["", "*No setting complete yet: the rows above say how far each has run; `python bench/auto/prereg.py`"
                       " resumes them.*"]
     else:
@@ -259,7 +261,7 @@ def table(out_dir: Path = RESULTS) -> str:
 def _gmean(values: list[float]) -> str:
     if not values:
         return "—"
-    return f"{math.exp(sum(math.log(v) for v in values) / len(values)):.2f}x (range {min(values):.2f}-{max(values):.2f})"
+    return f"{statistics.geometric_mean(values):.2f}x (range {min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:
