@@ -188,7 +188,6 @@ def run_setting(reg: Registered, args: argparse.Namespace, out_dir: Path, state:
             row = one("paro", "auto_warm", budget_overrides, limit)
             runs["auto_warm"] = row if "auto_warm" not in runs or "error" in row else _median(runs["auto_warm"], row)
             save()
-    save()
     return data
 
 

@@ -196,3 +196,16 @@ def test_registered_table_scores_only_complete_settings(tmp_path: Path) -> None:
     # best fixed: the last of FIXED (113 tokens/s); the rule's NNG: the third (102); auto paid in full: 113
     assert "of 1 settings measured: auto on a cold cache (headline) 1" in text and "the rule 0" in text
     assert f"cold cache {113 / 102:.2f}x" in text
+
+
+def test_resuming_a_complete_setting_runs_nothing_and_keeps_its_provenance(tmp_path: Path, monkeypatch) -> None:
+    # the stored provenance names the commit the runs were made at; a later resume must not restamp it
+    name = next(n for n, s in prereg.registered()["settings"].items() if s["budget_bytes_per_parameter"] is None)
+    runs = {**{k: _row(100.0) for k in prereg.FIXED}, "auto_cold": _row(90.0), "auto_warm": _row(95.0)}
+    stored = json.dumps({"setting": name, "runs": runs, "provenance": {"commit": "0" * 40}}, indent=2)
+    (tmp_path / f"{name}.json").write_text(stored)
+    monkeypatch.setenv("LIGHTNING_PARO_CACHE_DIR", str(tmp_path / "cache"))  # restored after: run_setting sets it
+    monkeypatch.setattr(prereg, "run_one", lambda *a, **k: pytest.fail("a complete setting ran again"))
+    args = prereg.argparse.Namespace(passes=1, fixed=",".join(prereg.FIXED), timeout=1, model_scale="registered")
+    prereg.run_setting(prereg.parse(name, prereg.registered()["settings"][name]), args, tmp_path, {})
+    assert (tmp_path / f"{name}.json").read_text() == stored
