@@ -8,7 +8,8 @@ An anchor is a Lightning strategy with the communication savings its own users r
   DDP wrapper here.
 * ``ddp_powersgd``: DDP with torch's PowerSGD hook, rank 4, error feedback and warm start on, and
   ``start_powerSGD_iter`` as torch's documentation suggests (10% of the run's optimizer steps, at least 2, the least
-  torch allows with error feedback).
+  torch allows with error feedback). Off CUDA the whole model is one DDP bucket (``POWERSGD_GLOO_BUCKET_MB``: with
+  several, gloo aborts on PowerSGD's interleaved all-reduces).
 * ``fsdp2_bf16`` / ``hsdp_bf16``: FSDP2 full sharding and HSDP with ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=bf16)``.
 
@@ -35,6 +36,11 @@ POWERSGD_RANK = 4
 """PowerSGD's matrix approximation rank (the issue's setting; torch suggests 1-4)."""
 POWERSGD_MIN_START = 2
 """The least ``start_powerSGD_iter`` torch allows with error feedback or warm start."""
+POWERSGD_GLOO_BUCKET_MB = 4096
+"""DDP's bucket cap for PowerSGD off CUDA: the whole model in one bucket. PowerSGD issues each bucket's second
+all-reduce (Q) from the first one's (P) future callback, so with several buckets the ranks issue their buckets' P
+and Q all-reduces in timing-dependent orders, and gloo, which pairs collectives by the order they are issued, aborts
+on a size mismatch (measured at the benchmark's GPT with DDP's default 25 MB buckets; one bucket runs)."""
 
 
 def powersgd_start(total_steps: int) -> int:
@@ -82,6 +88,7 @@ def build_anchor(name: str, cfg: Any, total_steps: int) -> Any:
 
 def _hooked_ddp_class() -> type:
     from lightning.pytorch.strategies import DDPStrategy
+    from typing_extensions import override
 
     class _HookedDDP(DDPStrategy):
         """Lightning's DDP with a communication hook registered on the DDP wrapper on every device type."""
@@ -92,6 +99,13 @@ def _hooked_ddp_class() -> type:
             self.total_steps = total_steps
             self.powersgd_state: Any = None
 
+        @override
+        def _setup_model(self, model: Any) -> Any:
+            if self.anchor == "ddp_powersgd" and self.root_device.type != "cuda":
+                self._ddp_kwargs.setdefault("bucket_cap_mb", POWERSGD_GLOO_BUCKET_MB)
+            return super()._setup_model(model)
+
+        @override
         def _register_ddp_hooks(self) -> None:
             import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -348,7 +362,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["strategy"] = args.anchor
         if args.anchor == "ddp_powersgd":
             result["powersgd"] = {"rank": POWERSGD_RANK, "start_powerSGD_iter": powersgd_start(total),
-                                  "error_feedback": True, "warm_start": True}
+                                  "error_feedback": True, "warm_start": True,
+                                  "bucket_cap_mb": trainer_kw["strategy"]._ddp_kwargs.get("bucket_cap_mb")}
         report.write_text(json.dumps(result, indent=2))
     return 0
 
