@@ -119,6 +119,13 @@ def _hooked_ddp_class() -> type:
                 start_powerSGD_iter=powersgd_start(self.total_steps), use_error_feedback=True, warm_start=True)
             self.model.register_comm_hook(self.powersgd_state, powersgd.powerSGD_hook)
 
+        def powersgd_report(self) -> dict:
+            """The PowerSGD settings this run used, read from its state and its DDP wrapper's arguments."""
+            state = self.powersgd_state
+            return {"rank": state.matrix_approximation_rank, "start_powerSGD_iter": state.start_powerSGD_iter,
+                    "error_feedback": state.use_error_feedback, "warm_start": state.warm_start,
+                    "bucket_cap_mb": self._ddp_kwargs.get("bucket_cap_mb")}
+
     return _HookedDDP
 
 
@@ -361,9 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = json.loads(report.read_text())
         result["strategy"] = args.anchor
         if args.anchor == "ddp_powersgd":
-            result["powersgd"] = {"rank": POWERSGD_RANK, "start_powerSGD_iter": powersgd_start(total),
-                                  "error_feedback": True, "warm_start": True,
-                                  "bucket_cap_mb": trainer_kw["strategy"]._ddp_kwargs.get("bucket_cap_mb")}
+            result["powersgd"] = trainer.strategy.powersgd_report()
         report.write_text(json.dumps(result, indent=2))
     return 0
 

@@ -3,6 +3,7 @@ summary (paired differences across seeds), and the command lines of the anchors.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -206,6 +207,6 @@ def test_resuming_a_complete_setting_runs_nothing_and_keeps_its_provenance(tmp_p
     (tmp_path / f"{name}.json").write_text(stored)
     monkeypatch.setenv("LIGHTNING_PARO_CACHE_DIR", str(tmp_path / "cache"))  # restored after: run_setting sets it
     monkeypatch.setattr(prereg, "run_one", lambda *a, **k: pytest.fail("a complete setting ran again"))
-    args = prereg.argparse.Namespace(passes=1, fixed=",".join(prereg.FIXED), timeout=1, model_scale="registered")
+    args = argparse.Namespace(passes=1, fixed=",".join(prereg.FIXED), timeout=1, model_scale="registered")
     prereg.run_setting(prereg.parse(name, prereg.registered()["settings"][name]), args, tmp_path, {})
     assert (tmp_path / f"{name}.json").read_text() == stored
