@@ -206,6 +206,7 @@ def table(out_dir: Path = RESULTS) -> str:
              "|---|---|---|---|---|---|---|"]
     counts = {"auto_cold": 0, "auto_warm": 0, "rule": 0}
     over_rule: dict[str, list[float]] = {"auto_cold": [], "auto_warm": []}
+    failed: dict[str, list[str]] = {"auto_cold": [], "auto_warm": []}
     measured = incomplete = 0
     commits = set()
     for name in reg["settings"]:
@@ -231,22 +232,24 @@ def table(out_dir: Path = RESULTS) -> str:
         for key, v in (("auto_cold", cold.get("over_best")), ("auto_warm", warm.get("over_best")),
                        ("rule", sc.get("rule_over_best"))):
             counts[key] += v is not None and v >= 1 - TOLERANCE
-        if sc.get("rule_over_best"):
-            for key, v in (("auto_cold", cold.get("over_best")), ("auto_warm", warm.get("over_best"))):
-                if v is not None:
-                    over_rule[key].append(v / sc["rule_over_best"])
+        for key, auto in (("auto_cold", cold), ("auto_warm", warm)):
+            if "error" in auto:  # a miss: counted as one above, and no ratio to average
+                failed[key].append(name)
+            elif auto.get("over_best") is not None and sc.get("rule_over_best"):
+                over_rule[key].append(auto["over_best"] / sc["rule_over_best"])
+        ratio = lambda a: a["error"] if "error" in a else f(a.get("over_best"))  # noqa: E731
         start = cold.get("plan_seconds")
+        cold_cell = cold["error"] if "error" in cold else f"{cold.get('pick') or '—'}, {f(start)}, {ratio(cold)}"
         lines.append(
             f"| {name} | {sc['best_fixed'] or '—'} ({f(sc['best_tokens_per_s'])})"
-            f" | {cold.get('pick') or cold.get('error') or '—'}, {f(start)}, {f(cold.get('over_best'))}"
-            f" | {f(warm.get('over_best'))} | {sc['rule'] or '—'}, {f(sc['rule_over_best'])}"
+            f" | {cold_cell} | {ratio(warm)} | {sc['rule'] or '—'}, {f(sc['rule_over_best'])}"
             f" | {', '.join(sc['exceeded_limit']) or 'none'} | {'yes' if data.get('planner_frozen') else 'NO'} |")
     if measured:
         lines += ["", f"Within {TOLERANCE:.0%} of the best fixed strategy, of {measured} settings measured: auto on a"
                       f" cold cache (headline) {counts['auto_cold']}, auto on a warm cache {counts['auto_warm']}, the"
                       f" rule {counts['rule']}. What auto gains over the rule (auto's tokens/s over the rule's"
                       f" pick's, geometric mean over those settings): cold cache {_gmean(over_rule['auto_cold'])},"
-                      f" warm cache {_gmean(over_rule['auto_warm'])}. Measured at commits:"
+                      f" warm cache {_gmean(over_rule['auto_warm'])}.{_failures(failed)} Measured at commits:"
                       f" {', '.join(sorted(commits))}."]
     elif incomplete:
         lines += ["", "*No setting complete yet: the rows above say how far each has run; `python bench/auto/prereg.py`"
@@ -255,6 +258,16 @@ def table(out_dir: Path = RESULTS) -> str:
         lines += ["", "*Not measured yet: the settings and the protocol are registered in"
                       " `bench/auto/preregistered.json`; run `python -m bench.regenerate --only auto`.*"]
     return "\n".join(lines)
+
+
+def _failures(failed: dict[str, list[str]]) -> str:
+    """The settings where auto's run did not finish (over the enforced limit): misses, left out of the means."""
+    said = [f"{label} in {', '.join(failed[key])}" for key, label in (("auto_cold", "cold"), ("auto_warm", "warm"))
+            if failed[key]]
+    if not said:
+        return ""
+    return (f" Runs of auto that stopped without a result ({'; '.join(said)}) are misses in the counts and left out"
+            " of the means, which are over the settings where it finished.")
 
 
 def _gmean(values: list[float]) -> str:

@@ -197,6 +197,13 @@ def test_registered_table_scores_only_complete_settings(tmp_path: Path) -> None:
     # best fixed: the last of FIXED (113 tokens/s); the rule's NNG: the third (102); auto paid in full: 113
     assert "of 1 settings measured: auto on a cold cache (headline) 1" in text and "the rule 0" in text
     assert f"cold cache {113 / 102:.2f}x" in text
+    # auto stopped at the enforced limit in the warm run: a miss in the count, and left out of the mean
+    full["runs"]["auto_warm"] = {"system": "paro", "error": "memory limit exceeded"}
+    (tmp_path / f"{name}.json").write_text(json.dumps(full))
+    text = prereg.table(tmp_path)
+    assert f"| {name} | III (113.00) | NNG, 0.00, 1.00 | memory limit exceeded | NNG, 0.90 |" in text
+    assert "auto on a warm cache 0" in text and "warm cache —" in text
+    assert f"Runs of auto that stopped without a result (warm in {name}) are misses" in text
 
 
 def test_resuming_a_complete_setting_runs_nothing_and_keeps_its_provenance(tmp_path: Path, monkeypatch) -> None:
