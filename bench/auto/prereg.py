@@ -237,12 +237,13 @@ def table(out_dir: Path = RESULTS) -> str:
                 failed[key].append(name)
             elif auto.get("over_best") is not None and sc.get("rule_over_best"):
                 over_rule[key].append(auto["over_best"] / sc["rule_over_best"])
-        ratio = lambda a: a["error"] if "error" in a else f(a.get("over_best"))  # noqa: E731
-        start = cold.get("plan_seconds")
-        cold_cell = cold["error"] if "error" in cold else f"{cold.get('pick') or '—'}, {f(start)}, {ratio(cold)}"
+        # a run that stopped shows its error in place of its figures
+        cold_cell = cold.get("error") or (f"{cold.get('pick') or '—'}, {f(cold.get('plan_seconds'))},"
+                                          f" {f(cold.get('over_best'))}")
         lines.append(
             f"| {name} | {sc['best_fixed'] or '—'} ({f(sc['best_tokens_per_s'])})"
-            f" | {cold_cell} | {ratio(warm)} | {sc['rule'] or '—'}, {f(sc['rule_over_best'])}"
+            f" | {cold_cell} | {warm.get('error') or f(warm.get('over_best'))} | {sc['rule'] or '—'},"
+            f" {f(sc['rule_over_best'])}"
             f" | {', '.join(sc['exceeded_limit']) or 'none'} | {'yes' if data.get('planner_frozen') else 'NO'} |")
     if measured:
         lines += ["", f"Within {TOLERANCE:.0%} of the best fixed strategy, of {measured} settings measured: auto on a"

@@ -163,10 +163,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 continue
             result = json.loads(curve.read_text())
             result["wall_s"] = round(time.perf_counter() - started, 1)
-            result["provenance"] = stamp()  # the grid spans sessions: each run records the code it ran
+            # the grid spans sessions: each run records the code it ran, the file the latest
+            result["provenance"] = data["provenance"] = stamp()
             runs.setdefault(option, {})[str(seed)] = result
             data["summary"] = summarise(runs)
-            data["provenance"] = stamp()
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(data, indent=2))
             print(option, "seed", seed, "final held-out loss", result["held_out"][-1][1], flush=True)
