@@ -154,7 +154,8 @@ def train_memory() -> str:
     if not path.exists():
         return _missing("peak memory", "python -m bench.regenerate --only memory")
     data = _load(path)
-    names = {"ddp": "Lightning `ddp`", "fsdp2": "FSDP2 full shard", "hsdp": "FSDP2 HSDP", "paro_ggg+sharded_eval": 'PaRO GGG, `gather="sharded"`'}
+    names = {"ddp": "Lightning `ddp`", "fsdp2": "FSDP2 full shard", "hsdp": "FSDP2 HSDP",
+             "paro_ggg+sharded_eval": 'PaRO GGG, `gather="sharded"`'}
     lines = ["| system | model states (formula) | planner: states + transients | peak in training"
              " | of which above the process's start | peak in evaluation | runs |", "|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
