@@ -53,9 +53,12 @@ DEVICES, GROUP = 4, 2
 """4 processes as 2 groups of 2: int8 compresses the traffic between the groups."""
 BATCH_SIZE = 4
 """Sequences per micro-step per rank, chosen before the grid's first run and not changed after it: 16 windows of 64
-bytes per optimizer step, so 1,000 steps read the 600 kB training text about 1.7 times (batch 8 would read it 3.4
-times, and a 10.7M-parameter model then mostly memorizes); a 30-step check measured 0.8 s per step on the 2-core
-machine, so the 21 runs take about 6 hours."""
+bytes per optimizer step (with ``ACCUMULATION``), so 1,000 steps read the 600 kB training text about 1.7 times
+(batch 8 would read it 3.4 times, and a 10.7M-parameter model then mostly memorizes)."""
+ACCUMULATION = 1
+"""Micro-batches per optimizer step, set on every run because the trainer config's default is 2. With accumulation,
+an epoch of an odd number of micro-batches ends on a half window that Lightning steps anyway, and validation (counted
+in micro-batches) then falls one step later for each epoch: off the grid of ``--every`` and past the last step."""
 
 
 def command(option: str, seed: int, steps: int, every: int, out: Path, model: list[str], batch_size: int,
@@ -65,8 +68,20 @@ def command(option: str, seed: int, steps: int, every: int, out: Path, model: li
     strategy = ["strategy=ddp"] if anchor != "none" else [f"strategy={system}", f"strategy.group_size={GROUP}"]
     return [sys.executable, str(ROOT / "bench" / "train" / "anchors.py"), "--anchor", anchor, "--curve", str(every),
             "--curve-batches", str(val_batches), "--", *strategy, *VARIANTS[variant], "trainer.accelerator=cpu",
-            f"trainer.devices={DEVICES}", "trainer.enable_progress_bar=false", "bench.warmup_steps=0",
+            f"trainer.devices={DEVICES}", f"trainer.accumulate_grad_batches={ACCUMULATION}",
+            "trainer.enable_progress_bar=false", "bench.warmup_steps=0",
             f"bench.steps={steps}", f"run.seed={seed}", f"run.dir={out}", f"data.batch_size={batch_size}", *model]
+
+
+def curve_problem(held_out: list, steps: int, every: int) -> Optional[str]:
+    """Why a run's held-out curve cannot be stored (its evaluations are not at every ``every``-th optimizer step up to
+    the last), or None."""
+    got = [int(step) for step, _ in held_out]
+    want = list(range(every, steps + 1, every))
+    if got == want:
+        return None
+    return (f"held-out loss evaluated at steps {got}, not at {want}: the curve is off the grid, so its final value is"
+            " not the last step's")
 
 
 def summarise(runs: dict[str, dict[str, dict]]) -> dict[str, dict]:
@@ -133,6 +148,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(f"--every {args.every} must divide --steps {args.steps} (the last step is evaluated)")
     model = [m for m in MODEL if not m.startswith("data.")] if args.model == "bench" else TINY
     settings = {"steps": args.steps, "every": args.every, "model": model, "batch_size": args.batch_size,
+                "accumulation": ACCUMULATION,
                 "val_batches": args.val_batches, "devices": DEVICES, "group_size": GROUP,
                 "parameters_label": "bench GPT (10.7M parameters)" if args.model == "bench" else "tiny GPT",
                 "data": "lightning_paro.demo.StdlibData defaults (600 kB train, 100 kB held out)",
@@ -162,6 +178,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 print(f"{option} seed {seed} failed:\n{tail}", file=sys.stderr, flush=True)
                 continue
             result = json.loads(curve.read_text())
+            problem = curve_problem(result["held_out"], args.steps, args.every)
+            if problem:
+                print(f"{option} seed {seed} not stored: {problem}", file=sys.stderr, flush=True)
+                continue
             result["wall_s"] = round(time.perf_counter() - started, 1)
             # the grid spans sessions: each run records the code it ran, the file the latest
             result["provenance"] = data["provenance"] = stamp()

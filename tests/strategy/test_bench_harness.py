@@ -106,6 +106,17 @@ def test_accuracy_runs_every_option_through_the_worker() -> None:
     assert "strategy.group_size=2" in cmd and "trainer.devices=4" in cmd
     cmd = accuracy.command("ddp_powersgd", 0, 20, 10, Path("/tmp/x"), accuracy.TINY, 4, 3)
     assert cmd[cmd.index("--anchor") + 1] == "ddp_powersgd" and "strategy=ddp" in cmd
+    # one micro-batch per step, set explicitly: the trainer config's default accumulation is 2
+    assert "trainer.accumulate_grad_batches=1" in cmd and accuracy.ACCUMULATION == 1
+
+
+def test_accuracy_refuses_a_curve_off_the_step_grid() -> None:
+    on_grid = [[100, 2.7], [200, 2.5], [300, 2.4]]
+    assert accuracy.curve_problem(on_grid, 300, 100) is None
+    # evaluations one step late after an epoch boundary, and none at the last step
+    problem = accuracy.curve_problem([[100, 2.7], [201, 2.5], [301, 2.4]], 300, 100)
+    assert problem is not None and "[100, 201, 301]" in problem and "[100, 200, 300]" in problem
+    assert accuracy.curve_problem(on_grid[:2], 300, 100) is not None  # the last step not evaluated
 
 
 def test_powersgd_starts_as_torch_documents() -> None:
