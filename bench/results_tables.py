@@ -342,15 +342,27 @@ def accuracy() -> str:
     data = _load(path)
     s = data["settings"]
     fmt = lambda v, f="{:.4f}": "" if v is None else f.format(v)  # noqa: E731
+    micro = s.get("accumulation", 1)
+    per_step = f"{s['batch_size']} sequences per rank per step" if micro == 1 else \
+        f"{s['batch_size']} sequences per rank per micro-batch, {micro} micro-batches per step"
     lines = [f"{s['parameters_label']}, {s['steps']} optimizer steps, held-out loss every {s['every']} steps,"
-             f" {s['devices']} processes in groups of {s['group_size']}, {s['batch_size']} sequences per rank per"
-             " step. Final held-out loss (nats per byte): mean and seed-to-seed standard deviation; the paired"
+             f" {s['devices']} processes in groups of {s['group_size']}, {per_step}. Final held-out loss (nats per byte): mean and seed-to-seed standard deviation; the paired"
              " difference to fp32 (same seed), its mean, standard deviation and standard error.", "",
              "| option | seeds | final held-out loss | sd | minus fp32: mean | sd | standard error |",
              "|---|---|---|---|---|---|---|"]
     for option, r in data["summary"].items():
         lines.append(f"| {option} | {len(r['seeds'])} | {fmt(r['final_mean'])} | {fmt(r['final_sd'])}"
                      f" | {fmt(r.get('diff_mean'), '{:+.4f}')} | {fmt(r.get('diff_sd'))} | {fmt(r.get('diff_se'))} |")
+    _train_modules()
+    import accuracy as grid
+
+    options = s.get("options") or data["summary"]
+    total = len(options) * grid.SEEDS
+    stored = sum(min(len(data["summary"].get(o, {}).get("seeds", [])), grid.SEEDS) for o in options)
+    if stored < total:
+        lines += ["", f"Incomplete: {stored} of the registered grid's {total} runs ({len(options)} options x"
+                  f" {grid.SEEDS} seeds) are stored. The figures are of those runs only; a row of one seed has no"
+                  " spread, and no claim rests on this table until the grid is complete."]
     lines += ["", f"Measured at commit: {_commits([data])}. Curves: `bench/results/train/accuracy.png`."]
     return "\n".join(lines)
 

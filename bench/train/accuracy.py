@@ -47,6 +47,8 @@ OPTIONS: dict[str, tuple[str, str]] = {
 }
 """The options compared; ``fp32`` is the reference of the paired differences."""
 REFERENCE = "fp32"
+SEEDS = 3
+"""Seeds per option of the registered grid (``--seeds``' default)."""
 TINY = ["model.dim=32", "model.layers=2", "model.heads=2", "model.seq_len=32"]
 """``--model tiny``: a GPT of about 30k parameters, for checking the harness."""
 DEVICES, GROUP = 4, 2
@@ -128,7 +130,7 @@ def plot(data: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=SEEDS)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--options", default=",".join(OPTIONS))

@@ -169,6 +169,15 @@ def test_accuracy_table_renders_a_stored_file(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setattr(rt, "RESULTS", tmp_path)
     text = rt.render("accuracy")
     assert "| int8 | 2 | 3.1500 | 0.0707 | +0.0500 | 0.0707 | 0.0500 |" in text and "abcdef0" in text
+    # 2 seeds stored of the grid's 3 per option: the table says the grid is incomplete
+    assert f"Incomplete: 4 of the registered grid's {2 * accuracy.SEEDS} runs" in text
+    # a third registered option not run yet counts as missing too
+    data["settings"]["options"] = {"fp32": [], "int8": [], "bf16": []}
+    data["settings"]["accumulation"] = 2
+    (tmp_path / "train" / "accuracy.json").write_text(json.dumps(data))
+    text = rt.render("accuracy")
+    assert f"Incomplete: 4 of the registered grid's {3 * accuracy.SEEDS} runs" in text
+    assert "8 sequences per rank per micro-batch, 2 micro-batches per step" in text
 
 
 def test_compression_table_places_each_option_beside_the_anchors_of_its_precision(tmp_path: Path,
