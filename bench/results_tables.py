@@ -346,8 +346,8 @@ def accuracy() -> str:
     per_step = f"{s['batch_size']} sequences per rank per step" if micro == 1 else \
         f"{s['batch_size']} sequences per rank per micro-batch, {micro} micro-batches per step"
     lines = [f"{s['parameters_label']}, {s['steps']} optimizer steps, held-out loss every {s['every']} steps,"
-             f" {s['devices']} processes in groups of {s['group_size']}, {per_step}. Final held-out loss (nats per byte): mean and seed-to-seed standard deviation; the paired"
-             " difference to fp32 (same seed), its mean, standard deviation and standard error.", "",
+             f" {s['devices']} processes in groups of {s['group_size']}, {per_step}. Final held-out loss (nats per"
+             " byte): mean and seed-to-seed standard deviation; the paired difference to fp32 (same seed), its mean, standard deviation and standard error.", "",
              "| option | seeds | final held-out loss | sd | minus fp32: mean | sd | standard error |",
              "|---|---|---|---|---|---|---|"]
     for option, r in data["summary"].items():
